@@ -1,0 +1,74 @@
+"""Keeping a worker from outliving its parent (POSIX; Linux gets the fast path).
+
+Two layers, because either alone has a hole:
+
+* ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` (Linux): the kernel kills the worker the moment its
+  parent dies, even while the worker holds the GIL in a long C call. It only helps when
+  the parent is the process that forked us (spawn and fork start methods; under
+  forkserver the parent is the fork server).
+* A watchdog thread waiting on the parent's pidfd (Linux >= 5.3), or polling the parent's
+  pid elsewhere: works under every start method.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import threading
+
+_PR_SET_PDEATHSIG = 1
+_POLL_INTERVAL = 0.5
+
+
+def _die() -> None:
+    # SIGKILL ourselves rather than exit: no atexit handler or finalizer of a process whose
+    # parent is gone can be trusted to finish; our own children watch us the same way.
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def set_parent_death_signal() -> bool:
+    """Ask the kernel to SIGKILL us when our parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def watch_parent(parent_pid: int) -> None:
+    """Kill this process within about a second of ``parent_pid`` exiting."""
+    pidfd = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(parent_pid)
+        except ProcessLookupError:
+            _die()
+        except OSError:
+            pidfd = None
+    if not _alive(parent_pid):  # it may have died before the pidfd was opened
+        _die()
+
+    def _watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])  # a pidfd turns readable when the process exits
+            _die()
+        while _alive(parent_pid):
+            threading.Event().wait(_POLL_INTERVAL)
+        _die()
+
+    threading.Thread(target=_watch, name="procspawn-parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,96 @@
+"""The child side of ``spawn``: run ``fn(rank, *args)`` and report back on the rank's channel.
+
+The channel carries exactly one message, ``("ok", result)`` or
+``("err", pickled exception or None, traceback text)``. Exiting on ``sys.exit(n)`` or a
+signal sends nothing; the parent reads the exit code instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from ..sharing import _pickler
+from ..sharing._fdpass import send_message
+from . import _posix
+
+
+class LoadedPayload:
+    """What the child unpickled from the parent: the pickle, its fds, the deferred objects."""
+
+    def __init__(self, data: bytes, fds: list[int], deferred: list[Any]) -> None:
+        self.data = data
+        self.fds = fds
+        self.deferred = deferred
+
+    def load(self) -> Any:
+        return _pickler.loads(self.data, self.fds, self.deferred)
+
+
+def main(
+    payload: Any,
+    rank: int,
+    channel: socket.socket,
+    parent_pid: int,
+    direct_child: bool,
+    config: dict[str, Any],
+) -> None:
+    """Entry point of every rank (the ``multiprocessing.Process`` target)."""
+    if direct_child:
+        _posix.set_parent_death_signal()
+    _posix.watch_parent(parent_pid)
+    _apply_config(config)
+    try:
+        try:
+            fn, args = payload.load()
+        except BaseException as exc:
+            _report(channel, exc, "while unpickling the arguments in the child: ")
+            sys.exit(1)
+        try:
+            result = fn(rank, *args)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # KeyboardInterrupt included: it is a failure
+            _report(channel, exc)
+            sys.exit(1)
+        try:
+            message = _pickler.dumps(("ok", result))
+        except BaseException as exc:
+            _report(channel, exc, f"the return value of rank {rank} could not be pickled: ")
+            sys.exit(1)
+        try:
+            send_message(channel, message.data, message.fds)
+        finally:
+            message.close()
+    finally:
+        channel.close()
+
+
+def _apply_config(config: dict[str, Any]) -> None:
+    for key, value in config.get("environ", {}).items():
+        os.environ[key] = value
+    strategy = config.get("sharing_strategy")
+    if strategy is not None:
+        from ..sharing import _strategy
+
+        _strategy.set_sharing_strategy(strategy)
+
+
+def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:
+    text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        exc_blob: bytes | None = cloudpickle.dumps(exc)
+    except BaseException:
+        exc_blob = None
+    message = _pickler.dumps(("err", exc_blob, text))
+    try:
+        send_message(channel, message.data, message.fds)
+    except OSError:
+        pass  # the parent is gone or stopped listening; the exit code still tells
+    finally:
+        message.close()

@@ -1,0 +1,187 @@
+"""Messages with file descriptors attached, over a UNIX stream socket.
+
+Every procspawn channel (spawn results, Queue, SimpleQueue, Pipe, Pool) moves *messages*:
+a pickle plus the file descriptors its shared segments need. The descriptors travel with
+the bytes (SCM_RIGHTS), so the receiver never connects back to the sender and a message
+can still be received after its sender exited.
+
+Wire format of one message::
+
+    header   "PSPN" | u64 body length | u32 number of fds      (16 bytes, little endian)
+             the first group of at most 253 fds rides on the header's sendmsg
+    pads     one byte per further group of 253 fds, each carrying that group
+    body     the pickle
+
+The kernel caps one SCM_RIGHTS control message at 253 descriptors (SCM_MAX_FD), hence the
+groups. The receiver reads exactly the bytes the current part needs, so it never reads
+into the next message, and it collects descriptors in the order they arrive.
+
+If the receiver is at its RLIMIT_NOFILE the kernel drops descriptors and sets MSG_CTRUNC;
+the reader still consumes the whole message (the stream stays in step), closes what did
+arrive and raises :class:`FdLimitError` with the limit and both fixes.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import os
+import resource
+import socket
+import struct
+
+_HEADER = struct.Struct("<4sQI")
+_MAGIC = b"PSPN"
+_MAX_FDS_PER_MSG = 253
+_ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * array.array("i").itemsize)
+_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+
+
+class FdLimitError(OSError):
+    """This process ran out of file descriptors while receiving shared arrays.
+
+    Under the ``file_descriptor`` strategy every live shared segment holds one descriptor.
+    Raise the limit (``ulimit -n``) or switch to the ``file_system`` strategy, where a live
+    array holds none: ``procspawn.set_sharing_strategy("file_system")``.
+    """
+
+    def __init__(self, lost: int, wanted: int) -> None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        super().__init__(
+            errno.EMFILE,
+            f"too many open files: a message carried {wanted} shared-memory file "
+            f"descriptor(s) and {lost} could not be received because this process is at "
+            f"its limit (RLIMIT_NOFILE soft={soft}, hard={hard}). Each live array shared "
+            f"under the 'file_descriptor' strategy holds one descriptor. Fix: raise the "
+            f"limit (`ulimit -n {max(hard, soft * 4)}`) or call "
+            f"procspawn.set_sharing_strategy('file_system'), which holds no descriptor "
+            f"per array.",
+        )
+
+    def __reduce__(self):  # type: ignore[override]
+        return (_rebuild_fd_limit_error, (self.args[1],))
+
+
+def _rebuild_fd_limit_error(msg: str) -> OSError:
+    return OSError(errno.EMFILE, msg)
+
+
+class ChannelClosed(EOFError):
+    """The other end of a channel closed before a whole message arrived."""
+
+
+def send_message(sock: socket.socket, data: bytes | memoryview, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    """Send one message (blocking); the caller keeps ownership of ``fds``."""
+    groups = [fds[i : i + _MAX_FDS_PER_MSG] for i in range(0, len(fds), _MAX_FDS_PER_MSG)]
+    header = _HEADER.pack(_MAGIC, len(data), len(fds))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", groups[0]))] if groups else []
+    _sendmsg_all(sock, header, anc)
+    for group in groups[1:]:
+        _sendmsg_all(sock, b"\0", [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", group))])
+    if len(data):
+        sock.sendall(data)
+
+
+def _sendmsg_all(sock: socket.socket, chunk: bytes, anc: list) -> None:
+    sent = sock.sendmsg([chunk], anc)
+    if sent < len(chunk):  # the fds went with the first byte; the rest is plain data
+        sock.sendall(chunk[sent:])
+
+
+class MessageReader:
+    """Reassembles messages from a stream socket, one part at a time.
+
+    ``feed()`` does at most one ``recvmsg``; it works on blocking and non-blocking sockets.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.eof = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._part = "header"
+        self._buf = bytearray(_HEADER.size)
+        self._pos = 0
+        self._nfds = 0
+        self._fds: list[int] = []
+        self._truncated = False
+        self._done: tuple[bytes, list[int]] | None = None
+
+    @property
+    def in_progress(self) -> bool:
+        """True when part of a message has been read."""
+        return self._part != "header" or self._pos > 0
+
+    def feed(self) -> bool:
+        """Read once. Returns True when a whole message is ready (see ``pop``).
+
+        Raises ``ChannelClosed`` at end of stream and ``BlockingIOError`` if a non-blocking
+        socket has nothing.
+        """
+        if self._done is not None:
+            return True
+        view = memoryview(self._buf)[self._pos :]
+        if len(view):
+            n, anc, flags, _ = self.sock.recvmsg_into([view], _ANC_SPACE, _FLAGS)
+            for level, kind, cdata in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+                    self._fds.extend(fds)
+            if flags & socket.MSG_CTRUNC:
+                self._truncated = True
+            if n == 0:
+                self.eof = True
+                raise ChannelClosed("channel closed by the other end")
+            self._pos += n
+            if self._pos < len(self._buf):
+                return False
+        return self._advance()
+
+    def _advance(self) -> bool:
+        if self._part == "header":
+            magic, length, nfds = _HEADER.unpack(self._buf)
+            if magic != _MAGIC:
+                raise OSError(errno.EPROTO, "procspawn channel out of step: bad message header")
+            self._nfds = nfds
+            self._length = length
+            npads = max(0, (nfds + _MAX_FDS_PER_MSG - 1) // _MAX_FDS_PER_MSG - 1)
+            self._part, self._buf, self._pos = "pads", bytearray(npads), 0
+            if npads:
+                return False
+        if self._part == "pads":
+            self._part, self._buf, self._pos = "body", bytearray(self._length), 0
+            if self._length:
+                return False
+        # body complete
+        data = bytes(self._buf) if len(self._buf) < 1 << 16 else self._buf
+        fds = self._fds
+        if self._truncated or len(fds) != self._nfds:
+            wanted = self._nfds
+            for fd in fds:
+                os.close(fd)
+            self._reset()
+            raise FdLimitError(wanted - len(fds), wanted)
+        self._reset()
+        self._done = (data, fds)  # type: ignore[assignment]
+        return True
+
+    def pop(self) -> tuple[bytes, list[int]]:
+        """Take the finished message: (pickle bytes, received fds owned by the caller)."""
+        assert self._done is not None
+        done, self._done = self._done, None
+        return done
+
+    def close(self) -> None:
+        """Close any descriptors of a half-received message."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def recv_message(reader: MessageReader) -> tuple[bytes, list[int]]:
+    """Block until one whole message arrives on the reader's (blocking) socket."""
+    while not reader.feed():
+        pass
+    return reader.pop()

@@ -1,0 +1,60 @@
+"""The ``file_descriptor`` strategy (Linux): anonymous memfd segments.
+
+Nothing is named, so nothing can leak: the kernel frees a segment when its last
+descriptor and last mapping are gone, whoever dies how. The memfd travels with each
+message (SCM_RIGHTS on procspawn channels, DupFd at process start). Every live segment
+keeps exactly one descriptor in each process that maps it (to send it on); the mapping
+itself holds none.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import _pickler
+from ._resources import raise_fd_limit, reserve
+from ._segment import Segment, map_fd
+from ._strategy import SharingStrategy
+
+
+def _segment(fd: int, size: int, key: Any) -> Segment:
+    try:
+        address = map_fd(fd, max(size, 1))
+    except BaseException:
+        os.close(fd)
+        raise
+    return Segment(
+        address=address,
+        size=size,
+        strategy="file_descriptor",
+        key=key,
+        map_address=address,
+        map_length=max(size, 1),
+        fd=fd,
+    )
+
+
+class FileDescriptorStrategy(SharingStrategy):
+    """memfd segments whose descriptors are passed with the message."""
+
+    def allocate(self, nbytes: int) -> Segment:
+        raise_fd_limit()
+        fd = os.memfd_create("procspawn", os.MFD_CLOEXEC)
+        try:
+            reserve(fd, max(nbytes, 1), "a memfd segment", None)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _segment(fd, nbytes, (st.st_dev, st.st_ino))
+
+    def reduce(self, segment: Segment) -> Any:
+        return (_pickler.sending().add_fd(segment.fd), segment.size)
+
+    def rebuild(self, handle: Any) -> Segment:
+        raise_fd_limit()
+        index, size = handle
+        fd = os.dup(_pickler.receiving()[index])
+        st = os.fstat(fd)
+        return _segment(fd, size, (st.st_dev, st.st_ino))

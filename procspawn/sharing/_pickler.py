@@ -1,0 +1,214 @@
+"""The one pickler every procspawn message goes through.
+
+``dumps(obj)`` gives a :class:`Message`: the pickle bytes, the file descriptors its shared
+segments travel with (SCM_RIGHTS, or ``DupFd`` at process start) and the objects that must
+stay alive until the message is delivered. ``loads(data, fds)`` rebuilds the object.
+
+Code (lambdas, closures, functions defined in ``__main__``) is pickled by value by
+cloudpickle. On top of it sits a reducer registry like ``ForkingPickler``'s: a dispatch
+table consulted before ``copyreg``'s, holding procspawn's reducers (``register``) and the
+ones ``multiprocessing`` registered for its own objects (connections, sockets), so
+Queues and Locks passed at process start pickle as they do for ``Process(args=...)``.
+Neither the stdlib's pickler nor ``copyreg`` is changed.
+
+Reducers that attach descriptors or keep segments alive find the message being built
+with :func:`sending`; rebuild functions find the received descriptors with
+:func:`receiving`. Both are per thread.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+import threading
+from collections import ChainMap
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import cloudpickle
+
+_reducers: dict[type, Callable[[Any], Any]] = {}
+_local = threading.local()
+
+
+def register(type_: type, reducer: Callable[[Any], Any]) -> None:
+    """Make procspawn pickle every exact instance of ``type_`` with ``reducer(obj)``."""
+    _reducers[type_] = reducer
+
+
+class Message:
+    """One pickled object ready to send: bytes, descriptors, and what must stay alive."""
+
+    __slots__ = ("data", "fds", "keepalive", "inflight")
+
+    def __init__(self, data: bytes, fds: list[int], keepalive: list[Any], inflight: bool):
+        self.data = data
+        self.fds = fds  # owned by the message: close() closes them
+        self.keepalive = keepalive
+        self.inflight = inflight
+
+    def close(self) -> None:
+        """Release the descriptors (after they were sent or duplicated)."""
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+        self.keepalive = []
+
+
+class _SendState:
+    __slots__ = ("fds", "fd_index", "keepalive", "inflight")
+
+    def __init__(self, inflight: bool) -> None:
+        self.fds: list[int] = []
+        self.fd_index: dict[int, int] = {}
+        self.keepalive: list[Any] = []
+        self.inflight = inflight
+
+    def add_fd(self, fd: int) -> int:
+        """Attach a duplicate of ``fd`` once per message; returns its index."""
+        index = self.fd_index.get(fd)
+        if index is None:
+            index = len(self.fds)
+            self.fds.append(os.dup(fd))
+            self.fd_index[fd] = index
+        return index
+
+
+def sending() -> _SendState:
+    """The message being pickled on this thread (only valid inside a reducer)."""
+    state = getattr(_local, "send", None)
+    if state is None:
+        raise RuntimeError("procspawn reducer called outside procspawn.sharing dumps()")
+    return state
+
+
+def receiving() -> list[int]:
+    """The descriptors of the message being unpickled on this thread (borrowed: ``loads``
+    closes them all afterwards, so a rebuilder that keeps one must ``os.dup`` it)."""
+    fds = getattr(_local, "recv", None)
+    if fds is None:
+        raise RuntimeError(
+            "a procspawn shared-memory handle can only be unpickled by procspawn's "
+            "loads() (it was pickled by procspawn and read back by another unpickler)"
+        )
+    return fds
+
+
+class Pickler(cloudpickle.Pickler):
+    """cloudpickle with procspawn's and multiprocessing's reducers in front of copyreg's."""
+
+    dispatch_table = ChainMap(  # type: ignore[assignment]
+        _reducers,
+        ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+        getattr(cloudpickle.Pickler, "dispatch_table", copyreg.dispatch_table),
+    )
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _deferred_types() -> tuple[type, ...]:
+    import multiprocessing.connection as connection
+    import multiprocessing.heap as heap
+    import multiprocessing.queues as queues
+    import multiprocessing.sharedctypes as sharedctypes
+    import multiprocessing.synchronize as synchronize
+    import socket
+
+    return (
+        socket.socket,
+        connection.Connection,
+        synchronize.SemLock,
+        queues.Queue,
+        queues.SimpleQueue,
+        sharedctypes.SynchronizedBase,
+        heap.BufferWrapper,
+        *_extra_deferred,
+    )
+
+
+# Types whose instances are handed over at process start, not in the pickle; the sharing
+# package adds its own channel types here.
+_extra_deferred: list[type] = []
+
+
+class _DeferringPickler(Pickler):
+    """Leaves objects that only pickle while a process starts (``multiprocessing``'s
+    "should only be shared between processes through inheritance") out of the pickle, as
+    persistent ids into a side list the start-up machinery hands over."""
+
+    def __init__(self, file: io.BytesIO, deferred: list[Any]) -> None:
+        super().__init__(file)
+        self._deferred = deferred
+        self._deferred_types = _deferred_types()
+
+    def persistent_id(self, obj: Any) -> int | None:  # type: ignore[override]
+        if isinstance(obj, self._deferred_types) or (
+            type(obj) in ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+            and type(obj).__module__ == "multiprocessing.sharedctypes"
+        ):
+            self._deferred.append(obj)
+            return len(self._deferred) - 1
+        return None
+
+
+class _DeferredUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, deferred: list[Any]) -> None:
+        super().__init__(file)
+        self._deferred = deferred
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._deferred[pid]
+
+
+def dumps(obj: Any, inflight: bool = True, deferred: list[Any] | None = None) -> Message:
+    """Pickle ``obj`` for another process.
+
+    Args:
+        obj: anything cloudpickle can pickle; arrays go through shared memory.
+        inflight: True when the message, not its sender, keeps the shared segments alive
+            until one receiver adopts them (queues, pipes). False when the sender keeps
+            ``Message.keepalive`` alive until every receiver has mapped them (spawn args).
+        deferred: when a list, objects that only pickle at process start (Queue, Lock,
+            Connection, socket, ...) are appended to it instead of being pickled.
+
+    Returns:
+        A Message; call ``close()`` once it was sent.
+    """
+    state = _SendState(inflight)
+    previous = getattr(_local, "send", None)
+    _local.send = state
+    buf = io.BytesIO()
+    try:
+        if deferred is None:
+            Pickler(buf).dump(obj)
+        else:
+            _DeferringPickler(buf, deferred).dump(obj)
+    except BaseException:
+        for fd in state.fds:
+            os.close(fd)
+        raise
+    finally:
+        _local.send = previous
+    return Message(buf.getvalue(), state.fds, state.keepalive, inflight)
+
+
+def loads(
+    data: bytes | bytearray | memoryview,
+    fds: list[int] = (),  # type: ignore[assignment]
+    deferred: list[Any] | None = None,
+) -> Any:
+    """Unpickle a message; closes every descriptor in ``fds`` before returning."""
+    previous = getattr(_local, "recv", None)
+    _local.recv = fds
+    try:
+        if deferred is None:
+            return pickle.loads(data)
+        return _DeferredUnpickler(io.BytesIO(data), deferred).load()
+    finally:
+        _local.recv = previous
+        for fd in fds:
+            os.close(fd)

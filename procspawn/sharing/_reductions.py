@@ -1,0 +1,79 @@
+"""NumPy arrays on the wire: a handle into a shared segment instead of the bytes.
+
+An array is sent as ``(segment, byte offset, shape, strides, dtype, writeable)``. The
+segment is pickled once per message (pickle's memo), so many arrays over one segment
+cost one handle, and the receiver rebuilds them over one mapping: views stay views.
+
+* memory already in a Segment: the handle only, no copy;
+* any other array of at least ``PROCSPAWN_INLINE_BYTES`` bytes (default 65536): copied
+  once into a new segment (C or Fortran order, as the source), the sender's array
+  untouched;
+* smaller ones, zero-size ones and object dtypes: pickled as NumPy pickles them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+
+from . import _pickler, _strategy
+from ._segment import Segment, segment_of
+
+INLINE_BYTES = int(os.environ.get("PROCSPAWN_INLINE_BYTES", 65536))
+
+
+# -- ndarray ------------------------------------------------------------------------------
+
+
+def _reduce_ndarray(array: np.ndarray) -> Any:
+    found = segment_of(array)
+    if found is None:
+        if array.dtype.hasobject or array.size == 0 or array.nbytes < INLINE_BYTES:
+            return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        array = copy_to_segment(array)
+        found = segment_of(array)
+        assert found is not None
+    segment, offset = found
+    return (
+        _rebuild_ndarray,
+        (segment, offset, array.shape, array.strides, array.dtype, array.flags.writeable),
+    )
+
+
+def _rebuild_ndarray(
+    segment: Segment,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: np.dtype,
+    writeable: bool,
+) -> np.ndarray:
+    array = np.ndarray(shape, dtype, buffer=np.asarray(segment), offset=offset, strides=strides)
+    if not writeable:
+        array.flags.writeable = False
+    return array
+
+
+def empty_like_in_segment(shape: Any, dtype: Any, order: str = "C") -> np.ndarray:
+    """A new array in a fresh segment of the current strategy (its bytes are zero)."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    segment = _strategy.allocate(nbytes)
+    return np.ndarray(shape, dtype, buffer=np.asarray(segment), order=order)  # type: ignore[call-overload]
+
+
+def copy_to_segment(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` in a fresh segment, Fortran order kept, read-only kept."""
+    order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    shared = empty_like_in_segment(array.shape, array.dtype, order)
+    np.copyto(shared, array, casting="no")
+    if not array.flags.writeable:
+        shared.flags.writeable = False
+    return shared
+
+
+_pickler.register(np.ndarray, _reduce_ndarray)

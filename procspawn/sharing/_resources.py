@@ -1,0 +1,60 @@
+"""Reserving space and descriptors up front, with errors that say what to do."""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import threading
+
+_raised = False
+_lock = threading.Lock()
+
+
+def raise_fd_limit() -> None:
+    """Once per process: lift the soft RLIMIT_NOFILE to the hard limit."""
+    global _raised
+    if _raised:
+        return
+    with _lock:
+        if _raised:
+            return
+        _raised = True
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft < hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            except (ValueError, OSError):
+                pass
+
+
+class SharedMemoryFullError(OSError):
+    """There is not enough shared memory for a new segment.
+
+    Raised when a segment is made (its space is reserved at once), never later as a bus
+    error. Free space, give the container more (``docker run --shm-size=...``), send
+    smaller batches, or put segments elsewhere.
+    """
+
+    def __reduce__(self):  # type: ignore[override]
+        return (OSError, self.args)
+
+
+def reserve(fd: int, nbytes: int, where: str, free_path: str | None) -> None:
+    """posix_fallocate ``nbytes`` of ``fd``; ENOSPC becomes a SharedMemoryFullError."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        free = ""
+        if free_path is not None:
+            st = os.statvfs(free_path)
+            free = f", {st.f_bavail * st.f_frsize:,} bytes free of {st.f_blocks * st.f_frsize:,}"
+        raise SharedMemoryFullError(
+            errno.ENOSPC,
+            f"not enough shared memory: asked for {nbytes:,} bytes in {where}{free}. "
+            f"Free some (`procspawn cleanup`), give the container more "
+            f"(`docker run --shm-size=...`), send smaller arrays or batches, or switch "
+            f"strategy (procspawn.set_sharing_strategy)",
+        ) from None

@@ -1,0 +1,178 @@
+"""Segment: one mapped shared region, and the per-process cache of mapped segments.
+
+Mapping is done with libc ``mmap`` through ctypes, not ``mmap.mmap``: before Python 3.13
+(``trackfd=False``) ``mmap.mmap`` keeps a private duplicate of the descriptor for as long
+as the mapping lives, one extra fd per segment. A Segment holds no descriptor unless its
+strategy asks it to keep one (file_descriptor keeps the memfd, to send it on).
+
+A Segment exposes ``__array_interface__``, so ``np.asarray(segment)`` is a uint8 array
+whose ``.base`` is the segment; every array built on it keeps it alive, and the region is
+unmapped when the last one is gone. Release runs through ``multiprocessing.util.Finalize``:
+on garbage collection, and at exit of the process that created the Segment (including
+fork/forkserver children, which skip ``atexit``), but never in a forked child that merely
+inherited it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from multiprocessing import util
+from typing import Any
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int64,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_exiting = False
+
+
+def _set_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+def _register_exit_flag() -> None:
+    # Runs before the segment finalizers at exit (higher priority): from then on a release
+    # keeps the pages mapped, because arrays may still be read during interpreter teardown.
+    util.Finalize(None, _set_exiting, exitpriority=1_000_000)
+
+
+class _AfterFork:
+    pass
+
+
+_after_fork_anchor = _AfterFork()
+_register_exit_flag()
+util.register_after_fork(_after_fork_anchor, lambda _: _register_exit_flag())
+
+
+def map_fd(fd: int, length: int, offset: int = 0) -> int:
+    """mmap ``length`` bytes of ``fd`` shared read-write; returns the address."""
+    address = _libc.mmap(
+        None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset
+    )
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+    return int(address)
+
+
+def _release(
+    pid: int, address: int, length: int, fd: int, on_release: Callable[[], Any] | None
+) -> None:
+    if os.getpid() != pid:
+        return  # a forked child that inherited the Segment: the creator releases it
+    if not _exiting:
+        _libc.munmap(address, length)
+    if fd >= 0:
+        os.close(fd)
+    if on_release is not None:
+        on_release()
+
+
+class Segment:
+    """One mapped shared-memory region made by a sharing strategy.
+
+    Attributes:
+        address: where the usable bytes start in this process.
+        size: how many usable bytes there are.
+        strategy: the name of the strategy that made it.
+        key: the segment's identity across processes (memfd inode, file name, ...).
+        fd: a descriptor the segment keeps open (file_descriptor), or -1.
+        name: the file name of a named segment (file_system), or None.
+    """
+
+    __slots__ = ("address", "size", "strategy", "key", "fd", "name", "_finalizer", "__weakref__")
+
+    def __init__(
+        self,
+        *,
+        address: int,
+        size: int,
+        strategy: str,
+        key: Any,
+        map_address: int,
+        map_length: int,
+        fd: int = -1,
+        name: str | None = None,
+        on_release: Callable[[], Any] | None = None,
+    ) -> None:
+        self.address = address
+        self.size = size
+        self.strategy = strategy
+        self.key = key
+        self.fd = fd
+        self.name = name
+        self._finalizer = util.Finalize(
+            self,
+            _release,
+            args=(os.getpid(), map_address, map_length, fd, on_release),
+            exitpriority=-100,
+        )
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.size,),
+            "typestr": "|u1",
+            "data": (self.address, False),
+            "version": 3,
+        }
+
+    def __repr__(self) -> str:
+        return f"<procspawn Segment {self.strategy} key={self.key!r} size={self.size}>"
+
+
+# -- the receiver's cache: one Segment per (strategy, key) per process ---------------------
+
+_cache: weakref.WeakValueDictionary[tuple[str, Any], Segment] = weakref.WeakValueDictionary()
+_cache_lock = threading.Lock()
+
+
+def cache_lock() -> threading.Lock:
+    return _cache_lock
+
+
+def cached(strategy: str, key: Any) -> Segment | None:
+    """The live Segment of this process for ``key`` (call with ``cache_lock()`` held)."""
+    return _cache.get((strategy, key))
+
+
+def remember(segment: Segment) -> None:
+    """Make ``segment`` the one this process uses for its key (with ``cache_lock()`` held)."""
+    _cache[(segment.strategy, segment.key)] = segment
+
+
+def _reset_after_fork() -> None:
+    # The child did not take references of its own to the parent's segments; it maps anew.
+    global _cache, _cache_lock
+    _cache = weakref.WeakValueDictionary()
+    _cache_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def segment_of(array: Any) -> tuple[Segment, int] | None:
+    """(segment, byte offset of the array's first element) if its memory is in a Segment."""
+    base = array.base
+    while base is not None and not isinstance(base, Segment):
+        base = getattr(base, "base", None)
+    if base is None:
+        return None
+    return base, array.__array_interface__["data"][0] - base.address

@@ -1,0 +1,184 @@
+"""The sharing-strategy interface and the registry of strategies.
+
+A handle on the wire is ``(strategy name, strategy object or None, key, handle)``: the
+name says which strategy made it, so any receiver rebuilds any handle; a strategy that is
+not built in travels with the handle (pickled by reference when importable, by value
+otherwise), so a child that never registered it can still rebuild it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+from . import _pickler
+from ._segment import Segment, cache_lock, cached, remember
+
+_ENV = "PROCSPAWN_SHARING_STRATEGY"
+
+
+class SharingStrategy:
+    """How shared segments are made and moved between processes.
+
+    Subclass it and register an instance with ``procspawn.sharing.register_strategy``.
+    A strategy implements three operations:
+
+    * ``allocate(nbytes)`` makes a new Segment of ``nbytes`` usable bytes in this process;
+    * ``reduce(segment)`` turns a Segment into a picklable handle while a message is being
+      pickled (``procspawn.sharing._pickler.sending()`` gives the message, to attach file
+      descriptors or take a reference for the message in flight);
+    * ``rebuild(handle)`` maps the segment a handle names, in the receiving process, and
+      returns a new Segment (``receiving()`` gives the message's descriptors).
+
+    ``adopt_cached(handle, segment)`` is called instead of ``rebuild`` when this process
+    already maps the segment; it releases whatever the handle carried.
+    """
+
+    #: set by register_strategy
+    name: str = ""
+
+    def allocate(self, nbytes: int) -> Segment:
+        raise NotImplementedError
+
+    def reduce(self, segment: Segment) -> Any:
+        raise NotImplementedError
+
+    def rebuild(self, handle: Any) -> Segment:
+        raise NotImplementedError
+
+    def adopt_cached(self, handle: Any, segment: Segment) -> None:
+        """A handle arrived for a segment this process already maps; default: nothing."""
+
+
+_strategies: dict[str, SharingStrategy] = {}
+_builtin: set[str] = set()
+_lock = threading.Lock()
+_current: str | None = None
+
+
+def register_strategy(name: str, strategy: SharingStrategy, *, _builtin_: bool = False) -> None:
+    """Make ``strategy`` available under ``name`` (for ``set_sharing_strategy``).
+
+    Raises:
+        TypeError: ``strategy`` is not a SharingStrategy.
+        ValueError: ``name`` is empty or not a string.
+    """
+    if not isinstance(strategy, SharingStrategy):
+        raise TypeError(
+            f"a sharing strategy must be a procspawn.sharing.SharingStrategy instance, "
+            f"got {type(strategy).__name__}"
+        )
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a sharing strategy needs a non-empty string name, got {name!r}")
+    strategy.name = name
+    with _lock:
+        _strategies[name] = strategy
+        if _builtin_:
+            _builtin.add(name)
+
+
+def _load_builtins() -> None:
+    if _builtin:
+        return
+    from . import _file_system
+
+    register_strategy("file_system", _file_system.FileSystemStrategy(), _builtin_=True)
+    if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
+        from . import _file_descriptor
+
+        register_strategy(
+            "file_descriptor", _file_descriptor.FileDescriptorStrategy(), _builtin_=True
+        )
+
+
+def get_all_sharing_strategies() -> set[str]:
+    """The names of every strategy this process can use."""
+    _load_builtins()
+    return set(_strategies)
+
+
+def _default() -> str:
+    name = os.environ.get(_ENV)
+    if name:
+        if name not in _strategies:
+            raise ValueError(
+                f"{_ENV}={name!r} is not a sharing strategy; valid: "
+                f"{', '.join(sorted(_strategies))}"
+            )
+        return name
+    return "file_descriptor" if "file_descriptor" in _strategies else "file_system"
+
+
+def get_sharing_strategy() -> str:
+    """The name of the strategy new shared segments are made with.
+
+    The default is ``file_descriptor`` on Linux and ``file_system`` elsewhere; the
+    environment variable ``PROCSPAWN_SHARING_STRATEGY`` overrides it.
+    """
+    global _current
+    _load_builtins()
+    if _current is None:
+        _current = _default()
+    return _current
+
+
+def set_sharing_strategy(name: str) -> None:
+    """Make new shared segments with strategy ``name``; ranks started later inherit it.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the valid names);
+            nothing is changed.
+    """
+    global _current
+    _load_builtins()
+    if name not in _strategies:
+        raise ValueError(
+            f"unknown sharing strategy {name!r}; valid: {', '.join(sorted(_strategies))}"
+        )
+    _current = name
+
+
+def current() -> SharingStrategy:
+    """The strategy object new segments are made with."""
+    return _strategies[get_sharing_strategy()]
+
+
+def allocate(nbytes: int) -> Segment:
+    """A new Segment of ``nbytes`` from the current strategy, known to this process' cache."""
+    segment = current().allocate(nbytes)
+    with cache_lock():
+        remember(segment)
+    return segment
+
+
+# -- segments on the wire ------------------------------------------------------------------
+
+
+def _reduce_segment(segment: Segment) -> Any:
+    strategy = _strategies[segment.strategy]
+    handle = strategy.reduce(segment)
+    travelling = None if segment.strategy in _builtin else strategy
+    return (_rebuild_segment, (segment.strategy, travelling, segment.key, handle))
+
+
+def _rebuild_segment(name: str, travelling: Any, key: Any, handle: Any) -> Segment:
+    _load_builtins()
+    strategy = _strategies.get(name)
+    if strategy is None:
+        if travelling is None:
+            raise ValueError(f"received a handle of unknown sharing strategy {name!r}")
+        register_strategy(name, travelling)
+        strategy = travelling
+    with cache_lock():
+        segment = cached(name, key)
+        if segment is not None:
+            strategy.adopt_cached(handle, segment)
+            return segment
+        segment = strategy.rebuild(handle)
+        remember(segment)
+        return segment
+
+
+_pickler.register(Segment, _reduce_segment)

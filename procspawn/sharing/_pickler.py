@@ -122,6 +122,8 @@ def _deferred_types() -> tuple[type, ...]:
         socket.socket,
         connection.Connection,
         synchronize.SemLock,
+        synchronize.Condition,
+        synchronize.Event,
         queues.Queue,
         queues.SimpleQueue,
         sharedctypes.SynchronizedBase,

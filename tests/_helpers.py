@@ -1,0 +1,167 @@
+"""Module-level worker functions and crash objects shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def square(rank, offset=0):
+    return rank * rank + offset
+
+
+def identity(rank, *args):
+    return args
+
+
+def sleep_then_return(rank, seconds):
+    time.sleep(seconds)
+    return rank
+
+
+def big_result(rank, nbytes):
+    return bytes([rank]) * nbytes
+
+
+def fail_if_rank(rank, bad_rank, delay=0.0):
+    if rank == bad_rank:
+        time.sleep(delay)
+        raise ValueError(f"rank {rank} failed on purpose")
+    time.sleep(60)
+    return rank
+
+
+class Boom(Exception):
+    """A custom exception type, to check it comes back as the cause."""
+
+    def __init__(self, code):
+        super().__init__(f"boom {code}")
+        self.code = code
+
+    def __reduce__(self):
+        return (Boom, (self.code,))
+
+
+def crash(rank, how):
+    if how == "raise":
+        raise Boom(rank)
+    if how == "sys_exit":
+        sys.exit(3)
+    if how == "os_exit":
+        os._exit(4)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "sigsegv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if how == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    if how == "keyboard_interrupt":
+        raise KeyboardInterrupt
+    if how == "unpicklable_result":
+        return threading.Lock()
+    time.sleep(60)
+
+
+def _fail_to_unpickle():
+    raise RuntimeError("cannot rebuild this argument")
+
+
+class BreaksInChild:
+    """Pickles fine, fails when the child unpickles it."""
+
+    def __reduce__(self):
+        return (_fail_to_unpickle, ())
+
+
+def nested(rank, start_method):
+    import procspawn
+
+    return procspawn.spawn(square, args=(rank,), nprocs=2, start_method=start_method)
+
+
+def queue_and_event(rank, queue, event, lock):
+    with lock:
+        queue.put(rank)
+    event.wait(30)
+    return rank
+
+
+def pipe_writer(rank, conn):
+    conn.send(("hello", rank))
+    conn.close()
+    return rank
+
+
+def array_sum(rank, array):
+    return float(array.sum())
+
+
+def add_rank_in_place(rank, array):
+    array[rank] += rank + 1
+    return None
+
+
+def run_script(code: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with the repository on sys.path."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kwargs,
+    )
+
+
+def make_array(kind: str) -> np.ndarray:
+    """Arrays of every dtype and layout the sharing path must bring back exactly."""
+    rng = np.random.default_rng(0)
+    if kind == "float64":
+        return rng.random((300, 200))
+    if kind == "float16":
+        return rng.random(50_000).astype(np.float16)
+    if kind == "complex":
+        return (rng.random(40_000) + 1j * rng.random(40_000)).astype(np.complex128)
+    if kind == "bool":
+        return rng.random(100_000) > 0.5
+    if kind == "datetime":
+        return np.arange(20_000, dtype="datetime64[s]")
+    if kind == "structured":
+        dt = np.dtype([("x", "<f8"), ("n", "<i4"), ("tag", "S3")])
+        a = np.zeros(10_000, dtype=dt)
+        a["x"] = np.arange(10_000) / 3
+        a["n"] = np.arange(10_000)
+        a["tag"] = b"abc"
+        return a
+    if kind == "fortran":
+        return np.asfortranarray(rng.random((256, 128)))
+    if kind == "noncontiguous":
+        return rng.random((400, 300))[::3, ::-2]
+    if kind == "zero_d":
+        return np.array(3.5)
+    if kind == "zero_size":
+        return np.zeros((0, 5))
+    if kind == "readonly":
+        a = rng.random(20_000)
+        a.flags.writeable = False
+        return a
+    if kind == "object":
+        return np.array([{"a": 1}, "x", None], dtype=object)
+    if kind == "small":
+        return np.arange(10, dtype=np.int32)
+    raise ValueError(kind)
+
+
+ARRAY_KINDS = [
+    "float64", "float16", "complex", "bool", "datetime", "structured", "fortran",
+    "noncontiguous", "zero_d", "zero_size", "readonly", "object", "small",
+]

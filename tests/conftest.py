@@ -1,0 +1,133 @@
+"""Fixtures: start methods, sharing strategies, and the leak check every test gets.
+
+After each test: no process of ours alive that was not there before (this process is
+made a child subreaper, so orphaned grandchildren are reparented here and counted too),
+no new ``/dev/shm/procspawn_*`` file, and no new open descriptor. OS state takes a moment
+to settle after a kill, so each check waits a few seconds before it fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+import procspawn
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PATIENCE = 10.0
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == me:  # ppid
+            if fields[0] == "Z":
+                _reap(int(entry))
+                continue
+            found.add(int(entry))
+    return found
+
+
+def _reap(pid: int) -> None:
+    # Only orphans reparented to us are reaped here; multiprocessing reaps its own.
+    if any(p.pid == pid for p in multiprocessing.active_children()):
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn")}
+    except FileNotFoundError:
+        return set()
+
+
+def _fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_setup():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    # Long-lived helpers of multiprocessing, started once so they are part of the baseline.
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver.ensure_running()
+    resource_tracker.ensure_running()
+    procspawn.get_sharing_strategy()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def leak_check():
+    """Fail a test that leaves a process, a shared segment or a descriptor behind."""
+    children, segments, fds = _children(), _segments(), _fds()
+    yield
+    deadline = time.monotonic() + _PATIENCE
+    while True:
+        gc.collect()
+        new_children = _children() - children
+        new_segments = _segments() - segments
+        new_fds = _fds() - fds
+        if not (new_children or new_segments or new_fds) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for pid in new_children:  # do not let one leak cascade into the next tests
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for name in new_segments:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
+    problems = []
+    if new_children:
+        problems.append(f"child processes left alive: {sorted(new_children)}")
+    if new_segments:
+        problems.append(f"/dev/shm segments left: {sorted(new_segments)}")
+    if new_fds:
+        targets = []
+        for fd in sorted(new_fds):
+            try:
+                targets.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+            except OSError:
+                targets.append(str(fd))
+        problems.append(f"file descriptors left open: {targets}")
+    assert not problems, "; ".join(problems)
+
+
+START_METHODS = multiprocessing.get_all_start_methods()
+
+
+@pytest.fixture(params=START_METHODS)
+def start_method(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=sorted(procspawn.get_all_sharing_strategies()))
+def strategy(request):
+    previous = procspawn.get_sharing_strategy()
+    procspawn.set_sharing_strategy(request.param)
+    yield request.param
+    procspawn.set_sharing_strategy(previous)

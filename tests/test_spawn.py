@@ -1,0 +1,169 @@
+"""spawn() / start_processes() / ProcessContext: the happy paths and argument checks."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+
+import pytest
+from _helpers import (
+    big_result,
+    identity,
+    nested,
+    pipe_writer,
+    queue_and_event,
+    sleep_then_return,
+    square,
+)
+
+import procspawn as mp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_results_by_rank(start_method):
+    assert mp.spawn(square, args=(1,), nprocs=4, start_method=start_method) == [1, 2, 5, 10]
+
+
+def test_start_processes_is_spawn(start_method):
+    assert mp.start_processes(square, nprocs=2, start_method=start_method) == [0, 1]
+
+
+def test_lambda_and_closure(start_method):
+    factor = 7
+    assert mp.spawn(lambda rank: rank * factor, nprocs=3, start_method=start_method) == [0, 7, 14]
+
+    def inner(rank, text):
+        return f"{text}{rank}{factor}"
+
+    assert mp.spawn(inner, args=("r",), nprocs=2, start_method=start_method) == ["r07", "r17"]
+
+
+def test_function_defined_in_main_script(tmp_path):
+    from _helpers import run_script
+
+    code = (
+        "import procspawn as mp\n"
+        "def work(rank, x):\n"
+        "    return rank + x\n"
+        "if __name__ == '__main__':\n"
+        "    print(mp.spawn(work, args=(10,), nprocs=2))\n"
+    )
+    script = tmp_path / "main_script.py"
+    script.write_text(code)
+    result = run_script(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[10, 11]"
+
+
+def test_join_false_returns_context(start_method):
+    ctx = mp.spawn(sleep_then_return, args=(0.2,), nprocs=2, join=False, start_method=start_method)
+    assert isinstance(ctx, mp.ProcessContext)
+    assert len(ctx.pids()) == 2 and all(isinstance(pid, int) for pid in ctx.pids())
+    assert len(ctx.processes) == 2
+    with pytest.raises(RuntimeError, match="join"):
+        ctx.results
+    assert ctx.join() is True
+    assert ctx.results == [0, 1]
+    assert ctx.join() is True  # again, after success
+
+
+def test_join_timeout_false_then_true():
+    ctx = mp.spawn(sleep_then_return, args=(1.5,), nprocs=2, join=False)
+    assert ctx.join(timeout=0.05) is False
+    assert ctx.join(timeout=0) is False
+    assert ctx.join(timeout=60) is True
+    assert ctx.results == [0, 1]
+
+
+@pytest.mark.parametrize("nprocs", [0, -1, 1.5, "2", None, True])
+def test_bad_nprocs(nprocs):
+    with pytest.raises(ValueError, match="nprocs must be an int >= 1"):
+        mp.spawn(square, nprocs=nprocs)
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        mp.spawn(42, nprocs=1)
+
+
+def test_args_not_a_tuple():
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        mp.spawn(square, args=5, nprocs=1)
+
+
+def test_unknown_start_method():
+    with pytest.raises(ValueError, match="unknown start method 'threads'.*spawn"):
+        mp.spawn(square, nprocs=1, start_method="threads")
+
+
+def test_unpicklable_argument_fails_in_parent(start_method):
+    before = set(multiprocessing.active_children())
+    lock = threading.Lock()
+    with pytest.raises(pickle.PicklingError, match=r"args\[1\] \(of type _thread.lock\)") as info:
+        mp.spawn(identity, args=(1, lock), nprocs=2, start_method=start_method)
+    assert "No process was started" in str(info.value)
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_large_results_do_not_deadlock(start_method):
+    nbytes = 50 * 1024 * 1024
+    results = mp.spawn(big_result, args=(nbytes,), nprocs=2, start_method=start_method)
+    assert [len(r) for r in results] == [nbytes, nbytes]
+    assert results[1][:3] == b"\x01\x01\x01"
+
+
+def test_nested_spawn(start_method):
+    # a rank starts ranks of its own (non-daemonic ranks may)
+    assert mp.spawn(nested, args=(start_method,), nprocs=2, start_method=start_method) == [
+        [0, 1],
+        [1, 2],
+    ]
+
+
+def test_multiprocessing_objects_in_args(start_method):
+    ctx_mp = multiprocessing.get_context(start_method)
+    queue = ctx_mp.Queue()
+    event = ctx_mp.Event()
+    lock = ctx_mp.Lock()
+    ctx = mp.spawn(
+        queue_and_event, args=(queue, event, lock), nprocs=3, join=False, start_method=start_method
+    )
+    got = sorted(queue.get(timeout=30) for _ in range(3))
+    event.set()
+    assert ctx.join(timeout=60) is True
+    assert got == [0, 1, 2]
+    assert ctx.results == [0, 1, 2]
+    queue.close()
+    queue.join_thread()
+
+
+def test_pipe_in_args(start_method):
+    ctx_mp = multiprocessing.get_context(start_method)
+    reader, writer = ctx_mp.Pipe(duplex=False)
+    assert mp.spawn(pipe_writer, args=(writer,), nprocs=1, start_method=start_method) == [0]
+    writer.close()
+    assert reader.recv() == ("hello", 0)
+    reader.close()
+
+
+def test_child_gets_parent_pid_watch(start_method):
+    # the child's view of its parent is the spawning process under every start method
+    assert mp.spawn(lambda rank: os.getppid() != 1, nprocs=1, start_method=start_method) == [True]
+
+
+def test_sys_exit_zero_is_success():
+    import sys
+
+    assert mp.spawn(lambda rank: sys.exit(0), nprocs=2) == [None, None]
+
+
+def test_results_arrive_in_rank_order_whatever_finishes_first():
+    def work(rank):
+        time.sleep(0.3 * (2 - rank))
+        return rank
+
+    assert mp.spawn(work, nprocs=3) == [0, 1, 2]

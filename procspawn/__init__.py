@@ -16,13 +16,27 @@ from .context import (
     spawn,
     start_processes,
 )
+from .context._mp import Process, default_context as _default_context, get_context
 from .sharing import (
     get_all_sharing_strategies,
     get_sharing_strategy,
     set_sharing_strategy,
 )
 
+Queue = _default_context.Queue
+JoinableQueue = _default_context.JoinableQueue
+SimpleQueue = _default_context.SimpleQueue
+Pipe = _default_context.Pipe
+Pool = _default_context.Pool
+
 _OWN = [
+    "JoinableQueue",
+    "Pipe",
+    "Pool",
+    "Process",
+    "Queue",
+    "SimpleQueue",
+    "get_context",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",

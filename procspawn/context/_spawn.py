@@ -6,11 +6,11 @@ Data flow::
             dumps((fn, args)) once  ──▶ Message: pickle bytes + segment fds + keepalive
                                          + deferred objects (Queue, Lock, Pipe ends ...)
             per rank: socketpair; Process(target=_worker.main,
-                                          args=(_Payload, rank, child end, ...)).start()
-              spawn/forkserver: multiprocessing pickles _Payload while the process starts:
+                                          args=(StartupMessage, rank, child end, ...)).start()
+              spawn/forkserver: multiprocessing pickles StartupMessage while the process starts:
                  the bytes as they are, each fd as a DupFd, the deferred objects through
                  multiprocessing's own reducers (so Queues and Locks work as with Process)
-              fork: nothing is pickled; the child inherits the _Payload
+              fork: nothing is pickled; the child inherits the StartupMessage
     child:  _worker.main → loads → fn(rank, *args) → one message back on its channel
     parent: ProcessContext.join watches sentinels and channels together
 """
@@ -25,36 +25,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..sharing import _pickler
+from ..sharing._startup import StartupMessage
 from . import _worker
 from ._process_context import ProcessContext
-
-
-class _Payload:
-    """fn and args as pickled once in the parent, ready to hand to any rank."""
-
-    def __init__(self, message: _pickler.Message, deferred: list[Any]) -> None:
-        self.message = message
-        self.deferred = deferred
-
-    def __reduce__(self):  # type: ignore[override]
-        # Runs inside Popen start-up (spawn, forkserver), where DupFd hands each descriptor
-        # to the new process and the deferred objects pickle as they do for Process(args).
-        from multiprocessing.reduction import DupFd
-
-        fds = [DupFd(fd) for fd in self.message.fds]
-        return (_rebuild_payload, (self.message.data, fds, self.deferred))
-
-    def load(self) -> Any:
-        # fork: the child inherited this object, and the descriptors under the same numbers;
-        # loads() closes what it is given, so give it the child's own duplicates.
-        return _pickler.loads(self.message.data, [os.dup(fd) for fd in self.message.fds], self.deferred)
-
-    def close(self) -> None:
-        self.message.close()
-
-
-def _rebuild_payload(data: bytes, fds: list[Any], deferred: list[Any]) -> _worker.LoadedPayload:
-    return _worker.LoadedPayload(data, [fd.detach() for fd in fds], deferred)
 
 
 def _check(fn: Any, args: Any, nprocs: Any, start_method: Any) -> tuple[Any, ...]:
@@ -77,13 +50,13 @@ def _check(fn: Any, args: Any, nprocs: Any, start_method: Any) -> tuple[Any, ...
     return tuple(args)
 
 
-def _pickle_payload(fn: Any, args: tuple[Any, ...]) -> _Payload:
+def _pickle_payload(fn: Any, args: tuple[Any, ...]) -> StartupMessage:
     deferred: list[Any] = []
     try:
         message = _pickler.dumps((fn, args), inflight=False, deferred=deferred)
     except Exception as exc:
         _raise_pickling_error(fn, args, exc)
-    return _Payload(message, deferred)
+    return StartupMessage(message, deferred)
 
 
 def _raise_pickling_error(fn: Any, args: tuple[Any, ...], exc: Exception) -> None:

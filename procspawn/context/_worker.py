@@ -20,18 +20,6 @@ from ..sharing._fdpass import send_message
 from . import _posix
 
 
-class LoadedPayload:
-    """What the child unpickled from the parent: the pickle, its fds, the deferred objects."""
-
-    def __init__(self, data: bytes, fds: list[int], deferred: list[Any]) -> None:
-        self.data = data
-        self.fds = fds
-        self.deferred = deferred
-
-    def load(self) -> Any:
-        return _pickler.loads(self.data, self.fds, self.deferred)
-
-
 def main(
     payload: Any,
     rank: int,

@@ -109,6 +109,11 @@ class MessageReader:
         self._done: tuple[bytes, list[int]] | None = None
 
     @property
+    def ready(self) -> bool:
+        """True when a whole message waits to be popped."""
+        return self._done is not None
+
+    @property
     def in_progress(self) -> bool:
         """True when part of a message has been read."""
         return self._part != "header" or self._pos > 0

@@ -1,0 +1,171 @@
+"""Drop-in multiprocessing contexts whose Process, Queue, Pipe and Pool share arrays.
+
+``procspawn.get_context(method)`` returns a context like ``multiprocessing.get_context``'s
+(it subclasses the stdlib's), except that:
+
+* ``Process(target=..., args=..., kwargs=...)`` pickles target and arguments with procspawn's
+  pickler (cloudpickle for code, shared memory for arrays) as the process starts;
+* ``Queue``, ``JoinableQueue``, ``SimpleQueue`` and ``Pipe`` are procspawn's;
+* ``Pool`` is ``multiprocessing.pool.Pool`` built on those, so ``Pool.map`` arguments and
+  results move through shared memory too.
+
+Nothing of the stdlib is patched: ``multiprocessing.Queue`` stays as it is.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context as mpc
+from typing import Any
+
+from ..sharing import _pickler
+from ..sharing._connection import Pipe as _Pipe
+from ..sharing._queues import JoinableQueue as _JoinableQueue
+from ..sharing._queues import Queue as _Queue
+from ..sharing._queues import SimpleQueue as _SimpleQueue
+from ..sharing._startup import StartupMessage
+
+
+class _Call:
+    """target(*args, **kwargs) of a Process, pickled by procspawn when the process starts."""
+
+    def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.target, self.args, self.kwargs = target, args, kwargs
+        self.sent: list[StartupMessage] = []
+
+    def __reduce__(self):  # type: ignore[override]
+        deferred: list[Any] = []
+        message = _pickler.dumps((self.target, self.args, self.kwargs), deferred=deferred)
+        startup = StartupMessage(message, deferred)
+        self.sent.append(startup)  # its descriptors must stay open until start() returns
+        return startup.__reduce__()
+
+    def close(self) -> None:
+        for startup in self.sent:
+            startup.close()
+        self.sent = []
+
+
+def _run(call: Any) -> Any:
+    if isinstance(call, _Call):  # fork: the child inherited the call itself
+        return call.target(*call.args, **call.kwargs)
+    target, args, kwargs = call.load()
+    return target(*args, **kwargs)
+
+
+class _ProcessMixin:
+    """Routes target and arguments through procspawn's pickler."""
+
+    _target: Any
+    _args: Any
+    _kwargs: Any
+
+    def __init__(self, group=None, target=None, name=None, args=(), kwargs=None, *,
+                 daemon=None) -> None:
+        super().__init__(group, target, name, args, kwargs or {}, daemon=daemon)  # type: ignore[call-arg]
+        self._procspawn_call = None
+        if target is not None:
+            call = _Call(target, tuple(args), dict(kwargs or {}))
+            self._procspawn_call = call
+            self._target, self._args, self._kwargs = _run, (call,), {}
+
+    def start(self) -> None:
+        try:
+            super().start()  # type: ignore[misc]
+        finally:
+            if self._procspawn_call is not None:
+                self._procspawn_call.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_procspawn_call"] = None
+        return state
+
+
+class Process(_ProcessMixin, mpc.Process):  # type: ignore[misc]
+    """``multiprocessing.Process`` (default start method) whose arguments share arrays."""
+
+
+class SpawnProcess(_ProcessMixin, mpc.SpawnProcess):  # type: ignore[misc]
+    pass
+
+
+class ForkProcess(_ProcessMixin, mpc.ForkProcess):  # type: ignore[misc]
+    pass
+
+
+class ForkServerProcess(_ProcessMixin, mpc.ForkServerProcess):  # type: ignore[misc]
+    pass
+
+
+class _ContextMixin:
+    def get_context(self, method: str | None = None) -> Any:
+        if method is None:
+            return self
+        return get_context(method)
+
+    def Pipe(self, duplex: bool = True) -> Any:
+        """A pair of procspawn Connections (arrays travel as shared-memory handles)."""
+        return _Pipe(duplex)
+
+    def Queue(self, maxsize: int = 0) -> Any:
+        """A procspawn Queue (arrays travel as shared-memory handles)."""
+        return _Queue(maxsize, ctx=self.get_context())
+
+    def JoinableQueue(self, maxsize: int = 0) -> Any:
+        """A procspawn JoinableQueue."""
+        return _JoinableQueue(maxsize, ctx=self.get_context())
+
+    def SimpleQueue(self) -> Any:
+        """A procspawn SimpleQueue."""
+        return _SimpleQueue(ctx=self.get_context())
+
+
+class SpawnContext(_ContextMixin, mpc.SpawnContext):
+    Process = SpawnProcess  # type: ignore[assignment]
+
+
+class ForkContext(_ContextMixin, mpc.ForkContext):
+    Process = ForkProcess  # type: ignore[assignment]
+
+
+class ForkServerContext(_ContextMixin, mpc.ForkServerContext):
+    Process = ForkServerProcess  # type: ignore[assignment]
+
+
+class DefaultContext(_ContextMixin, mpc.BaseContext):
+    """Follows multiprocessing's default start method (``set_start_method``)."""
+
+    Process = Process  # type: ignore[assignment]
+
+    def get_context(self, method: str | None = None) -> Any:
+        if method is None:
+            method = multiprocessing.get_start_method()
+        return get_context(method)
+
+
+_contexts: dict[str, Any] = {
+    name: cls()
+    for name, cls in [
+        ("spawn", SpawnContext),
+        ("fork", ForkContext),
+        ("forkserver", ForkServerContext),
+    ]
+    if name in multiprocessing.get_all_start_methods()
+}
+default_context = DefaultContext()
+
+
+def get_context(method: str | None = None) -> Any:
+    """A multiprocessing context whose Process, queues, Pipe and Pool share arrays.
+
+    Raises:
+        ValueError: ``method`` is not a start method of this platform.
+    """
+    if method is None:
+        return default_context.get_context()
+    if method not in _contexts:
+        raise ValueError(
+            f"unknown start method {method!r}; this platform has: {', '.join(_contexts)}"
+        )
+    return _contexts[method]

@@ -1,0 +1,159 @@
+"""Connection and Pipe over a UNIX socket, through procspawn's pickler.
+
+Like ``multiprocessing.connection.Connection`` (send/recv/poll/send_bytes/recv_bytes/
+close), but every message is a procspawn message: arrays travel as shared-memory handles
+and their descriptors ride along (SCM_RIGHTS), so ``recv`` never connects back to the
+sender. A Connection pickles at process start (``DupFd``) and inside procspawn messages
+(its descriptor rides along too).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+from typing import Any
+
+from . import _pickler
+from ._fdpass import MessageReader, recv_message, send_message
+
+
+class Connection:
+    """One end of a procspawn Pipe."""
+
+    def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True):
+        if not (readable or writable):
+            raise ValueError("at least one of `readable` and `writable` must be True")
+        self._sock: socket.socket | None = sock
+        self._reader = MessageReader(sock)
+        self._readable = readable
+        self._writable = writable
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    @property
+    def readable(self) -> bool:
+        return self._readable
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    def _check(self, writing: bool = False, reading: bool = False) -> socket.socket:
+        if self._sock is None:
+            raise OSError("handle is closed")
+        if writing and not self._writable:
+            raise OSError("connection is read-only")
+        if reading and not self._readable:
+            raise OSError("connection is write-only")
+        return self._sock
+
+    def fileno(self) -> int:
+        return self._check().fileno()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._reader.close()
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -- objects -----------------------------------------------------------------------
+
+    def send(self, obj: Any) -> None:
+        """Send a picklable object; arrays go through shared memory."""
+        sock = self._check(writing=True)
+        message = _pickler.dumps(obj)
+        try:
+            send_message(sock, message.data, message.fds)
+        finally:
+            message.close()
+
+    def recv(self) -> Any:
+        """Receive an object sent with ``send`` (blocks). EOFError when the other end closed."""
+        self._check(reading=True)
+        data, fds = recv_message(self._reader)
+        return _pickler.loads(data, fds)
+
+    def send_message(self, message: _pickler.Message) -> None:
+        """Send an already pickled message (the caller closes it)."""
+        send_message(self._check(writing=True), message.data, message.fds)
+
+    def recv_message(self) -> tuple[bytes, list[int]]:
+        """Receive one raw message: (pickle bytes, descriptors owned by the caller)."""
+        self._check(reading=True)
+        return recv_message(self._reader)
+
+    # -- bytes -------------------------------------------------------------------------
+
+    def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
+        view = memoryview(buf).cast("B")
+        end = len(view) if size is None else offset + size
+        if offset < 0 or end > len(view) or (size is not None and size < 0):
+            raise ValueError("offset and size are out of bounds of the buffer")
+        send_message(self._check(writing=True), view[offset:end], [])
+
+    def recv_bytes(self, maxlength: int | None = None) -> bytes:
+        data, fds = self.recv_message()
+        for fd in fds:
+            os.close(fd)
+        if maxlength is not None and len(data) > maxlength:
+            raise OSError("bad message length")
+        return bytes(data)
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """True when there is something to receive (waits up to ``timeout`` seconds)."""
+        sock = self._check(reading=True)
+        if self._reader.ready:
+            return True
+        readable, _, _ = select.select([sock], [], [], timeout)
+        return bool(readable)
+
+    # -- pickling ----------------------------------------------------------------------
+
+    def __reduce__(self):  # type: ignore[override]
+        sock = self._check()
+        state = getattr(_pickler._local, "send", None)
+        if state is not None:  # inside a procspawn message: the fd rides along
+            return (_rebuild_from_message, (state.add_fd(sock.fileno()), self._readable,
+                                            self._writable))
+        from multiprocessing.reduction import DupFd
+
+        return (_rebuild_from_dupfd, (DupFd(sock.fileno()), self._readable, self._writable))
+
+
+def _from_fd(fd: int, readable: bool, writable: bool) -> Connection:
+    return Connection(socket.socket(fileno=fd), readable, writable)
+
+
+def _rebuild_from_message(index: int, readable: bool, writable: bool) -> Connection:
+    return _from_fd(os.dup(_pickler.receiving()[index]), readable, writable)
+
+
+def _rebuild_from_dupfd(dupfd: Any, readable: bool, writable: bool) -> Connection:
+    return _from_fd(dupfd.detach(), readable, writable)
+
+
+def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
+    """A pair of connected Connections; with ``duplex=False``, (receive end, send end)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if duplex:
+        return Connection(a), Connection(b)
+    a.shutdown(socket.SHUT_WR)
+    b.shutdown(socket.SHUT_RD)
+    return Connection(a, writable=False), Connection(b, readable=False)
+
+
+_pickler._extra_deferred.append(Connection)

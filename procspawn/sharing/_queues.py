@@ -1,0 +1,278 @@
+"""Queue, JoinableQueue and SimpleQueue over procspawn Connections.
+
+Same interface and semantics as ``multiprocessing``'s, with two differences that follow
+from the data path: an object is pickled in ``put`` itself (so an unpicklable object raises
+there, in the caller, instead of being lost in the feeder thread), and arrays move through
+shared memory with their descriptors inside the message. Queue keeps multiprocessing's
+feeder thread, so ``put`` never blocks on a full socket buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import weakref
+from multiprocessing import context as mp_context
+from multiprocessing.synchronize import SEM_VALUE_MAX
+from multiprocessing.util import Finalize, register_after_fork
+from queue import Empty, Full
+from typing import Any
+
+from . import _pickler
+from ._connection import Pipe
+
+_SENTINEL = object()
+
+
+class Queue:
+    """A process-shared FIFO queue (``multiprocessing.Queue`` that shares arrays)."""
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
+        if maxsize <= 0:
+            maxsize = SEM_VALUE_MAX
+        self._maxsize = maxsize
+        self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()
+        self._wlock = ctx.Lock()
+        self._sem = ctx.BoundedSemaphore(maxsize)
+        self._opid = os.getpid()
+        self._reset()
+        register_after_fork(self, Queue._after_fork)
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        mp_context.assert_spawning(self)
+        return (self._maxsize, self._reader, self._writer, self._rlock, self._wlock,
+                self._sem, self._opid)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (self._maxsize, self._reader, self._writer, self._rlock, self._wlock,
+         self._sem, self._opid) = state
+        self._reset()
+
+    def _after_fork(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._notempty = threading.Condition(threading.Lock())
+        self._buffer: collections.deque[Any] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._jointhread: Finalize | None = None
+        self._joincancelled = False
+        self._closed = False
+        self._close: Finalize | None = None
+
+    # -- put/get -----------------------------------------------------------------------
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Put ``obj`` on the queue; it is pickled now, arrays go through shared memory."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if not self._sem.acquire(block, timeout):
+            raise Full
+        try:
+            message = _pickler.dumps(obj)
+        except BaseException:
+            self._sem.release()
+            raise
+        self._enqueue(message)
+
+    def _enqueue(self, message: _pickler.Message) -> None:
+        with self._notempty:
+            if self._thread is None:
+                self._start_thread()
+            self._buffer.append(message)
+            self._notempty.notify()
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Remove and return an item; ``queue.Empty`` after ``timeout`` seconds."""
+        if self._closed:
+            raise ValueError(f"Queue {self!r} is closed")
+        if block and timeout is None:
+            with self._rlock:
+                data, fds = self._reader.recv_message()
+        else:
+            deadline = time.monotonic() + (timeout or 0.0)
+            if not self._rlock.acquire(block, timeout):
+                raise Empty
+            try:
+                remaining = max(0.0, deadline - time.monotonic()) if block else 0.0
+                if not self._reader.poll(remaining):
+                    raise Empty
+                data, fds = self._reader.recv_message()
+            finally:
+                self._rlock.release()
+        self._sem.release()
+        return _pickler.loads(data, fds)
+
+    def put_nowait(self, obj: Any) -> None:
+        self.put(obj, False)
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def qsize(self) -> int:
+        return self._maxsize - self._sem._semlock._get_value()  # type: ignore[attr-defined]
+
+    def empty(self) -> bool:
+        return not self._reader.poll()
+
+    def full(self) -> bool:
+        return bool(self._sem._semlock._is_zero())  # type: ignore[attr-defined]
+
+    # -- closing -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """No more puts from this process; the feeder flushes what is buffered."""
+        self._closed = True
+        close = self._close
+        if close is not None:
+            self._close = None
+            close()
+        self._reader.close()
+        if self._thread is None:
+            self._writer.close()
+
+    def join_thread(self) -> None:
+        """Wait for the feeder thread to flush (after ``close``)."""
+        assert self._closed, f"Queue {self!r} not closed"
+        if self._jointhread is not None:
+            self._jointhread()
+
+    def cancel_join_thread(self) -> None:
+        """Do not wait for the feeder at exit (buffered items may be lost)."""
+        self._joincancelled = True
+        if self._jointhread is not None:
+            self._jointhread.cancel()
+
+    def _start_thread(self) -> None:
+        self._buffer.clear()
+        self._thread = threading.Thread(
+            target=Queue._feed,
+            args=(self._buffer, self._notempty, self._writer, self._wlock),
+            name="procspawn-QueueFeederThread",
+            daemon=True,
+        )
+        self._thread.start()
+        if not self._joincancelled:
+            self._jointhread = Finalize(
+                self._thread, Queue._finalize_join, [weakref.ref(self._thread)],
+                exitpriority=-5,
+            )
+        self._close = Finalize(
+            self, Queue._finalize_close, [self._buffer, self._notempty], exitpriority=10
+        )
+
+    @staticmethod
+    def _finalize_join(twr: weakref.ref[threading.Thread]) -> None:
+        thread = twr()
+        if thread is not None:
+            thread.join()
+
+    @staticmethod
+    def _finalize_close(buffer: collections.deque[Any], notempty: threading.Condition) -> None:
+        with notempty:
+            buffer.append(_SENTINEL)
+            notempty.notify()
+
+    @staticmethod
+    def _feed(buffer: collections.deque[Any], notempty: threading.Condition, writer: Any,
+              wlock: Any) -> None:
+        while True:
+            with notempty:
+                while not buffer:
+                    notempty.wait()
+                items = list(buffer)
+                buffer.clear()
+            for item in items:
+                if item is _SENTINEL:
+                    writer.close()
+                    for rest in items[items.index(item) + 1 :]:
+                        if rest is not _SENTINEL:
+                            rest.close()
+                    return
+                try:
+                    with wlock:
+                        writer.send_message(item)
+                except OSError:
+                    pass  # the reading end is gone: nobody will get it (as multiprocessing)
+                finally:
+                    item.close()
+
+
+class JoinableQueue(Queue):
+    """A Queue with ``task_done()`` and ``join()``."""
+
+    def __init__(self, maxsize: int = 0, *, ctx: Any) -> None:
+        super().__init__(maxsize, ctx=ctx)
+        self._unfinished_tasks = ctx.Semaphore(0)
+        self._cond = ctx.Condition()
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return super().__getstate__() + (self._cond, self._unfinished_tasks)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        super().__setstate__(state[:-2])
+        self._cond, self._unfinished_tasks = state[-2:]
+
+    def _enqueue(self, message: _pickler.Message) -> None:
+        with self._notempty, self._cond:
+            if self._thread is None:
+                self._start_thread()
+            self._buffer.append(message)
+            self._unfinished_tasks.release()
+            self._notempty.notify()
+
+    def task_done(self) -> None:
+        with self._cond:
+            if not self._unfinished_tasks.acquire(False):
+                raise ValueError("task_done() called too many times")
+            if self._unfinished_tasks._semlock._is_zero():
+                self._cond.notify_all()
+
+    def join(self) -> None:
+        with self._cond:
+            if not self._unfinished_tasks._semlock._is_zero():
+                self._cond.wait()
+
+
+class SimpleQueue:
+    """A locked pipe: ``put`` sends at once (``multiprocessing.SimpleQueue`` sharing arrays)."""
+
+    def __init__(self, *, ctx: Any) -> None:
+        self._reader, self._writer = Pipe(duplex=False)
+        self._rlock = ctx.Lock()
+        self._wlock = ctx.Lock()
+        self._poll = self._reader.poll
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        mp_context.assert_spawning(self)
+        return (self._reader, self._writer, self._rlock, self._wlock)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        (self._reader, self._writer, self._rlock, self._wlock) = state
+        self._poll = self._reader.poll
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
+
+    def empty(self) -> bool:
+        return not self._poll()
+
+    def get(self) -> Any:
+        with self._rlock:
+            data, fds = self._reader.recv_message()
+        return _pickler.loads(data, fds)
+
+    def put(self, obj: Any) -> None:
+        message = _pickler.dumps(obj)
+        try:
+            with self._wlock:
+                self._writer.send_message(message)
+        finally:
+            message.close()
+
+
+_pickler._extra_deferred.extend([Queue, SimpleQueue])

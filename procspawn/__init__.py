@@ -1,7 +1,8 @@
 """procspawn: spawn worker processes that share NumPy arrays through shared memory.
 
 ``import procspawn as mp`` is a drop-in for ``multiprocessing``: every public name of it is
-here, and the queues, pipes and pools move arrays through shared memory.
+here, and ``Process``, ``Queue``, ``JoinableQueue``, ``SimpleQueue``, ``Pipe``, ``Pool`` and
+``get_context`` are procspawn's, which move arrays through shared memory.
 """
 
 import multiprocessing as _multiprocessing
@@ -16,7 +17,8 @@ from .context import (
     spawn,
     start_processes,
 )
-from .context._mp import Process, default_context as _default_context, get_context
+from .context._mp import Process, get_context
+from .context._mp import default_context as _default_context
 from .sharing import (
     get_all_sharing_strategies,
     get_sharing_strategy,
@@ -29,21 +31,21 @@ SimpleQueue = _default_context.SimpleQueue
 Pipe = _default_context.Pipe
 Pool = _default_context.Pool
 
-_OWN = [
+__all__ = [
     "JoinableQueue",
     "Pipe",
     "Pool",
     "Process",
-    "Queue",
-    "SimpleQueue",
-    "get_context",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
+    "Queue",
+    "SimpleQueue",
     "__version__",
     "context",
     "get_all_sharing_strategies",
+    "get_context",
     "get_sharing_strategy",
     "set_sharing_strategy",
     "sharing",
@@ -51,12 +53,8 @@ _OWN = [
     "start_processes",
 ]
 
-# multiprocessing's public names, for `import procspawn as mp`; ours take precedence.
-_MP_NAMES = [
-    name
-    for name in _multiprocessing.__all__
-    if name not in _OWN and not name.startswith("_")
-]
+# The rest of multiprocessing's public names (Lock, Event, Manager, cpu_count, ...), as they
+# are, for `import procspawn as mp`.
+_MP_NAMES = [n for n in _multiprocessing.__all__ if n not in __all__ and not n.startswith("_")]
 globals().update({name: getattr(_multiprocessing, name) for name in _MP_NAMES})
-
-__all__ = sorted(set(_OWN) | set(_MP_NAMES))
+__all__ += _MP_NAMES

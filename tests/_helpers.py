@@ -162,6 +162,17 @@ def make_array(kind: str) -> np.ndarray:
 
 
 ARRAY_KINDS = [
-    "float64", "float16", "complex", "bool", "datetime", "structured", "fortran",
-    "noncontiguous", "zero_d", "zero_size", "readonly", "object", "small",
+    "float64",
+    "float16",
+    "complex",
+    "bool",
+    "datetime",
+    "structured",
+    "fortran",
+    "noncontiguous",
+    "zero_d",
+    "zero_size",
+    "readonly",
+    "object",
+    "small",
 ]

@@ -54,7 +54,7 @@ def test_crash_matrix(start_method, how):
         assert err.signal_name == sig
     if how == "raise":
         assert isinstance(err.__cause__, Boom) and err.__cause__.code == 1
-        assert 'in crash\n    raise Boom(rank)' in str(err)
+        assert "in crash\n    raise Boom(rank)" in str(err)
 
 
 def test_error_while_unpickling_args_in_child(start_method):
@@ -70,11 +70,17 @@ def test_exceptions_pickle():
     exited = mp.ProcessExitedException("msg", 1, 88, -9, "SIGKILL")
     again = pickle.loads(pickle.dumps(raised))
     assert (type(again), str(again), again.error_index, again.pid) == (
-        mp.ProcessRaisedException, str(raised), 2, 77
+        mp.ProcessRaisedException,
+        str(raised),
+        2,
+        77,
     )
     again = pickle.loads(pickle.dumps(exited))
     assert (again.error_index, again.pid, again.exit_code, again.signal_name) == (
-        1, 88, -9, "SIGKILL"
+        1,
+        88,
+        -9,
+        "SIGKILL",
     )
     assert issubclass(mp.ProcessRaisedException, mp.ProcessException)
     assert issubclass(mp.ProcessException, Exception)

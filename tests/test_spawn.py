@@ -65,7 +65,7 @@ def test_join_false_returns_context(start_method):
     assert len(ctx.pids()) == 2 and all(isinstance(pid, int) for pid in ctx.pids())
     assert len(ctx.processes) == 2
     with pytest.raises(RuntimeError, match="join"):
-        ctx.results
+        _ = ctx.results
     assert ctx.join() is True
     assert ctx.results == [0, 1]
     assert ctx.join() is True  # again, after success

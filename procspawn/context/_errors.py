@@ -22,7 +22,7 @@ class ProcessException(Exception):
     def __str__(self) -> str:
         return self.msg
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         return (type(self), (self.msg, self.error_index, self.pid))
 
 
@@ -60,7 +60,7 @@ class ProcessExitedException(ProcessException):
         self.exit_code = exit_code
         self.signal_name = signal_name
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         return (
             type(self),
             (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name),

@@ -33,7 +33,7 @@ class _Call:
         self.target, self.args, self.kwargs = target, args, kwargs
         self.sent: list[StartupMessage] = []
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         deferred: list[Any] = []
         message = _pickler.dumps((self.target, self.args, self.kwargs), deferred=deferred)
         startup = StartupMessage(message, deferred)
@@ -60,8 +60,9 @@ class _ProcessMixin:
     _args: Any
     _kwargs: Any
 
-    def __init__(self, group=None, target=None, name=None, args=(), kwargs=None, *,
-                 daemon=None) -> None:
+    def __init__(
+        self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None
+    ) -> None:
         super().__init__(group, target, name, args, kwargs or {}, daemon=daemon)  # type: ignore[call-arg]
         self._procspawn_call = None
         if target is not None:
@@ -82,19 +83,19 @@ class _ProcessMixin:
         return state
 
 
-class Process(_ProcessMixin, mpc.Process):  # type: ignore[misc]
+class Process(_ProcessMixin, mpc.Process):
     """``multiprocessing.Process`` (default start method) whose arguments share arrays."""
 
 
-class SpawnProcess(_ProcessMixin, mpc.SpawnProcess):  # type: ignore[misc]
+class SpawnProcess(_ProcessMixin, mpc.SpawnProcess):
     pass
 
 
-class ForkProcess(_ProcessMixin, mpc.ForkProcess):  # type: ignore[misc]
+class ForkProcess(_ProcessMixin, mpc.ForkProcess):
     pass
 
 
-class ForkServerProcess(_ProcessMixin, mpc.ForkServerProcess):  # type: ignore[misc]
+class ForkServerProcess(_ProcessMixin, mpc.ForkServerProcess):
     pass
 
 
@@ -122,21 +123,21 @@ class _ContextMixin:
 
 
 class SpawnContext(_ContextMixin, mpc.SpawnContext):
-    Process = SpawnProcess  # type: ignore[assignment]
+    Process = SpawnProcess
 
 
 class ForkContext(_ContextMixin, mpc.ForkContext):
-    Process = ForkProcess  # type: ignore[assignment]
+    Process = ForkProcess
 
 
 class ForkServerContext(_ContextMixin, mpc.ForkServerContext):
-    Process = ForkServerProcess  # type: ignore[assignment]
+    Process = ForkServerProcess
 
 
 class DefaultContext(_ContextMixin, mpc.BaseContext):
     """Follows multiprocessing's default start method (``set_start_method``)."""
 
-    Process = Process  # type: ignore[assignment]
+    Process = Process
 
     def get_context(self, method: str | None = None) -> Any:
         if method is None:

@@ -117,7 +117,7 @@ def start_processes(
             parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             channels.append(parent_end)
             try:
-                proc = mp_context.Process(
+                proc = mp_context.Process(  # type: ignore[attr-defined]
                     target=_worker.main,
                     args=(
                         payload,

@@ -123,12 +123,14 @@ class Connection:
 
     # -- pickling ----------------------------------------------------------------------
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         sock = self._check()
         state = getattr(_pickler._local, "send", None)
         if state is not None:  # inside a procspawn message: the fd rides along
-            return (_rebuild_from_message, (state.add_fd(sock.fileno()), self._readable,
-                                            self._writable))
+            return (
+                _rebuild_from_message,
+                (state.add_fd(sock.fileno()), self._readable, self._writable),
+            )
         from multiprocessing.reduction import DupFd
 
         return (_rebuild_from_dupfd, (DupFd(sock.fileno()), self._readable, self._writable))

@@ -58,7 +58,7 @@ class FdLimitError(OSError):
             f"per array.",
         )
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         return (_rebuild_fd_limit_error, (self.args[1],))
 
 

@@ -100,7 +100,7 @@ def receiving() -> list[int]:
 class Pickler(cloudpickle.Pickler):
     """cloudpickle with procspawn's and multiprocessing's reducers in front of copyreg's."""
 
-    dispatch_table = ChainMap(  # type: ignore[assignment]
+    dispatch_table = ChainMap(
         _reducers,
         ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
         getattr(cloudpickle.Pickler, "dispatch_table", copyreg.dispatch_table),
@@ -147,7 +147,7 @@ class _DeferringPickler(Pickler):
         self._deferred = deferred
         self._deferred_types = _deferred_types()
 
-    def persistent_id(self, obj: Any) -> int | None:  # type: ignore[override]
+    def persistent_id(self, obj: Any) -> int | None:
         if isinstance(obj, self._deferred_types) or (
             type(obj) in ForkingPickler._extra_reducers  # type: ignore[attr-defined]
             and type(obj).__module__ == "multiprocessing.sharedctypes"

@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from multiprocessing import context as mp_context
-from multiprocessing.synchronize import SEM_VALUE_MAX
+from multiprocessing.synchronize import SEM_VALUE_MAX  # type: ignore[attr-defined]
 from multiprocessing.util import Finalize, register_after_fork
 from queue import Empty, Full
 from typing import Any
@@ -43,12 +43,26 @@ class Queue:
 
     def __getstate__(self) -> tuple[Any, ...]:
         mp_context.assert_spawning(self)
-        return (self._maxsize, self._reader, self._writer, self._rlock, self._wlock,
-                self._sem, self._opid)
+        return (
+            self._maxsize,
+            self._reader,
+            self._writer,
+            self._rlock,
+            self._wlock,
+            self._sem,
+            self._opid,
+        )
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (self._maxsize, self._reader, self._writer, self._rlock, self._wlock,
-         self._sem, self._opid) = state
+        (
+            self._maxsize,
+            self._reader,
+            self._writer,
+            self._rlock,
+            self._wlock,
+            self._sem,
+            self._opid,
+        ) = state
         self._reset()
 
     def _after_fork(self) -> None:
@@ -113,13 +127,13 @@ class Queue:
         return self.get(False)
 
     def qsize(self) -> int:
-        return self._maxsize - self._sem._semlock._get_value()  # type: ignore[attr-defined]
+        return self._maxsize - self._sem._semlock._get_value()
 
     def empty(self) -> bool:
         return not self._reader.poll()
 
     def full(self) -> bool:
-        return bool(self._sem._semlock._is_zero())  # type: ignore[attr-defined]
+        return bool(self._sem._semlock._is_zero())
 
     # -- closing -------------------------------------------------------------------------
 
@@ -157,7 +171,9 @@ class Queue:
         self._thread.start()
         if not self._joincancelled:
             self._jointhread = Finalize(
-                self._thread, Queue._finalize_join, [weakref.ref(self._thread)],
+                self._thread,
+                Queue._finalize_join,
+                [weakref.ref(self._thread)],
                 exitpriority=-5,
             )
         self._close = Finalize(
@@ -177,8 +193,9 @@ class Queue:
             notempty.notify()
 
     @staticmethod
-    def _feed(buffer: collections.deque[Any], notempty: threading.Condition, writer: Any,
-              wlock: Any) -> None:
+    def _feed(
+        buffer: collections.deque[Any], notempty: threading.Condition, writer: Any, wlock: Any
+    ) -> None:
         while True:
             with notempty:
                 while not buffer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -57,18 +57,20 @@ def _rebuild_ndarray(
     return array
 
 
-def empty_like_in_segment(shape: Any, dtype: Any, order: str = "C") -> np.ndarray:
+def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C") -> np.ndarray:
     """A new array in a fresh segment of the current strategy (its bytes are zero)."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     segment = _strategy.allocate(nbytes)
-    return np.ndarray(shape, dtype, buffer=np.asarray(segment), order=order)  # type: ignore[call-overload]
+    return np.ndarray(shape, dtype, buffer=np.asarray(segment), order=order)
 
 
 def copy_to_segment(array: np.ndarray) -> np.ndarray:
     """A copy of ``array`` in a fresh segment, Fortran order kept, read-only kept."""
-    order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    order: Literal["C", "F"] = (
+        "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    )
     shared = empty_like_in_segment(array.shape, array.dtype, order)
     np.copyto(shared, array, casting="no")
     if not array.flags.writeable:

@@ -36,7 +36,7 @@ class SharedMemoryFullError(OSError):
     smaller batches, or put segments elsewhere.
     """
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         return (OSError, self.args)
 
 

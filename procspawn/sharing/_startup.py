@@ -24,7 +24,7 @@ class StartupMessage:
         self.message = message
         self.deferred = deferred
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
         fds = [DupFd(fd) for fd in self.message.fds]

@@ -109,9 +109,12 @@ def add_rank_in_place(rank, array):
     return None
 
 
-def run_script(code: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+def run_script(
+    code: str, timeout: float = 60, env_extra: dict | None = None, **kwargs
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with the repository on sys.path."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -134,7 +137,7 @@ def make_array(kind: str) -> np.ndarray:
     if kind == "bool":
         return rng.random(100_000) > 0.5
     if kind == "datetime":
-        return np.arange(20_000, dtype="datetime64[s]")
+        return np.arange(20_000).astype("datetime64[s]")
     if kind == "structured":
         dt = np.dtype([("x", "<f8"), ("n", "<i4"), ("tag", "S3")])
         a = np.zeros(10_000, dtype=dt)
@@ -176,3 +179,35 @@ ARRAY_KINDS = [
     "object",
     "small",
 ]
+
+
+class CountingStrategy:
+    """A user-written strategy built on the public API: memfd segments, fds sent along."""
+
+    def __new__(cls):
+        from procspawn import sharing
+
+        class _Counting(sharing.SharingStrategy):
+            allocated = 0
+
+            def allocate(self, nbytes):
+                type(self).allocated += 1
+                fd = os.memfd_create("custom-test")
+                os.ftruncate(fd, nbytes)
+                return sharing.Segment.map(
+                    fd,
+                    nbytes,
+                    strategy=self.name,
+                    key=("custom", os.fstat(fd).st_ino),
+                    keep_fd=True,
+                )
+
+            def reduce(self, segment):
+                return (sharing.attach_fd(segment.fd, segment), segment.size, segment.key)
+
+            def rebuild(self, handle):
+                index, size, key = handle
+                fd = os.dup(sharing.received_fd(index))
+                return sharing.Segment.map(fd, size, strategy=self.name, key=key, keep_fd=True)
+
+        return _Counting()

@@ -18,7 +18,7 @@ import multiprocessing
 import multiprocessing.context as mpc
 from typing import Any
 
-from ..sharing import _pickler
+from ..sharing import _pickler, _strategy
 from ..sharing._connection import Pipe as _Pipe
 from ..sharing._queues import JoinableQueue as _JoinableQueue
 from ..sharing._queues import Queue as _Queue
@@ -35,7 +35,9 @@ class _Call:
 
     def __reduce__(self):
         deferred: list[Any] = []
-        message = _pickler.dumps((self.target, self.args, self.kwargs), deferred=deferred)
+        message = _pickler.dumps(
+            (_strategy.snapshot(), self.target, self.args, self.kwargs), deferred=deferred
+        )
         startup = StartupMessage(message, deferred)
         self.sent.append(startup)  # its descriptors must stay open until start() returns
         return startup.__reduce__()
@@ -49,7 +51,8 @@ class _Call:
 def _run(call: Any) -> Any:
     if isinstance(call, _Call):  # fork: the child inherited the call itself
         return call.target(*call.args, **call.kwargs)
-    target, args, kwargs = call.load()
+    strategy, target, args, kwargs = call.load()
+    _strategy.restore(strategy)
     return target(*args, **kwargs)
 
 

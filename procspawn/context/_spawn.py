@@ -50,10 +50,10 @@ def _check(fn: Any, args: Any, nprocs: Any, start_method: Any) -> tuple[Any, ...
     return tuple(args)
 
 
-def _pickle_payload(fn: Any, args: tuple[Any, ...]) -> StartupMessage:
+def _pickle_payload(fn: Any, args: tuple[Any, ...], config: dict[str, Any]) -> StartupMessage:
     deferred: list[Any] = []
     try:
-        message = _pickler.dumps((fn, args), inflight=False, deferred=deferred)
+        message = _pickler.dumps((fn, args, config), inflight=False, deferred=deferred)
     except Exception as exc:
         _raise_pickling_error(fn, args, exc)
     return StartupMessage(message, deferred)
@@ -108,8 +108,7 @@ def start_processes(
     """
     args = _check(fn, args, nprocs, start_method)
     mp_context = multiprocessing.get_context(start_method)
-    payload = _pickle_payload(fn, args)
-    config = _child_config()
+    payload = _pickle_payload(fn, args, _child_config())
     processes: list[BaseProcess] = []
     channels: list[socket.socket] = []
     try:
@@ -125,7 +124,6 @@ def start_processes(
                         child_end,
                         os.getpid(),
                         start_method != "forkserver",
-                        config,
                     ),
                     name=f"procspawn-rank-{rank}",
                     daemon=daemon,
@@ -164,4 +162,4 @@ def _child_config() -> dict[str, Any]:
     """What a rank must know of its parent's procspawn settings, whatever the start method."""
     from ..sharing import _strategy
 
-    return {"sharing_strategy": _strategy.get_sharing_strategy()}
+    return {"sharing_strategy": _strategy.snapshot()}

@@ -7,7 +7,6 @@ signal sends nothing; the parent reads the exit code instead.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import traceback
@@ -26,16 +25,15 @@ def main(
     channel: socket.socket,
     parent_pid: int,
     direct_child: bool,
-    config: dict[str, Any],
 ) -> None:
     """Entry point of every rank (the ``multiprocessing.Process`` target)."""
     if direct_child:
         _posix.set_parent_death_signal()
     _posix.watch_parent(parent_pid)
-    _apply_config(config)
     try:
         try:
-            fn, args = payload.load()
+            fn, args, config = payload.load()
+            _apply_config(config)
         except BaseException as exc:
             _report(channel, exc, "while unpickling the arguments in the child: ")
             sys.exit(1)
@@ -60,13 +58,9 @@ def main(
 
 
 def _apply_config(config: dict[str, Any]) -> None:
-    for key, value in config.get("environ", {}).items():
-        os.environ[key] = value
-    strategy = config.get("sharing_strategy")
-    if strategy is not None:
-        from ..sharing import _strategy
+    from ..sharing import _strategy
 
-        _strategy.set_sharing_strategy(strategy)
+    _strategy.restore(config["sharing_strategy"])
 
 
 def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:

@@ -3,7 +3,7 @@
 from . import _reductions  # noqa: F401  (registers the ndarray reducer)
 from ._arrays import empty, is_shared, share_memory_, zeros
 from ._fdpass import FdLimitError
-from ._pickler import dumps, loads, register
+from ._pickler import attach_fd, dumps, loads, received_fd, register
 from ._resources import SharedMemoryFullError
 from ._segment import Segment
 from ._strategy import (
@@ -17,6 +17,8 @@ from ._strategy import (
 __all__ = [
     "FdLimitError",
     "Segment",
+    "attach_fd",
+    "received_fd",
     "SharedMemoryFullError",
     "SharingStrategy",
     "dumps",

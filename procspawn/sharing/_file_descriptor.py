@@ -14,25 +14,16 @@ from typing import Any
 
 from . import _pickler
 from ._resources import raise_fd_limit, reserve
-from ._segment import Segment, map_fd
+from ._segment import Segment
 from ._strategy import SharingStrategy
 
 
 def _segment(fd: int, size: int, key: Any) -> Segment:
     try:
-        address = map_fd(fd, max(size, 1))
+        return Segment.map(fd, size, strategy="file_descriptor", key=key, keep_fd=True)
     except BaseException:
         os.close(fd)
         raise
-    return Segment(
-        address=address,
-        size=size,
-        strategy="file_descriptor",
-        key=key,
-        map_address=address,
-        map_length=max(size, 1),
-        fd=fd,
-    )
 
 
 class FileDescriptorStrategy(SharingStrategy):
@@ -50,7 +41,7 @@ class FileDescriptorStrategy(SharingStrategy):
         return _segment(fd, nbytes, (st.st_dev, st.st_ino))
 
     def reduce(self, segment: Segment) -> Any:
-        return (_pickler.sending().add_fd(segment.fd), segment.size)
+        return (_pickler.sending().add_fd(segment.fd, segment), segment.size)
 
     def rebuild(self, handle: Any) -> Segment:
         raise_fd_limit()

@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _pickler
 from ._resources import reserve
-from ._segment import Segment, map_fd
+from ._segment import Segment
 from ._strategy import SharingStrategy
 
 SHM_DIR = "/dev/shm"
@@ -68,18 +68,16 @@ def _release(name: str) -> None:
 
 
 def _map(fd: int, name: str, size: int) -> Segment:
-    length = _HEADER + size
-    address = map_fd(fd, length)
-    return Segment(
-        address=address + _HEADER,
-        size=size,
+    segment = Segment.map(
+        fd,
+        size,
         strategy="file_system",
         key=name,
-        map_address=address,
-        map_length=length,
-        name=name,
+        header=_HEADER,
         on_release=lambda: _release(name),
     )
+    segment.name = name
+    return segment
 
 
 class FileSystemStrategy(SharingStrategy):
@@ -92,7 +90,7 @@ class FileSystemStrategy(SharingStrategy):
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                reserve(fd, _HEADER + nbytes, SHM_DIR, SHM_DIR)
+                reserve(fd, nbytes, SHM_DIR, SHM_DIR, overhead=_HEADER)
                 os.pwrite(fd, _COUNT.pack(1), 0)
                 return _map(fd, name, nbytes)
             except BaseException:

@@ -40,21 +40,23 @@ def register(type_: type, reducer: Callable[[Any], Any]) -> None:
 
 
 class Message:
-    """One pickled object ready to send: bytes, descriptors, and what must stay alive."""
+    """One pickled object ready to send: bytes, descriptors, and what must stay alive.
+
+    The descriptors are borrowed from the objects in ``keepalive`` (segments, connections),
+    which the message holds until ``close()``: no descriptor is duplicated to send it.
+    """
 
     __slots__ = ("data", "fds", "keepalive", "inflight")
 
     def __init__(self, data: bytes, fds: list[int], keepalive: list[Any], inflight: bool):
         self.data = data
-        self.fds = fds  # owned by the message: close() closes them
+        self.fds = fds
         self.keepalive = keepalive
         self.inflight = inflight
 
     def close(self) -> None:
-        """Release the descriptors (after they were sent or duplicated)."""
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            os.close(fd)
+        """Let go of what the message kept alive (after it was sent or handed over)."""
+        self.fds = []
         self.keepalive = []
 
 
@@ -67,13 +69,15 @@ class _SendState:
         self.keepalive: list[Any] = []
         self.inflight = inflight
 
-    def add_fd(self, fd: int) -> int:
-        """Attach a duplicate of ``fd`` once per message; returns its index."""
+    def add_fd(self, fd: int, owner: Any) -> int:
+        """Send ``fd`` (once per message) with the message; ``owner`` keeps it open until
+        the message is closed. Returns its index for the receiver."""
         index = self.fd_index.get(fd)
         if index is None:
             index = len(self.fds)
-            self.fds.append(os.dup(fd))
+            self.fds.append(fd)
             self.fd_index[fd] = index
+            self.keepalive.append(owner)
         return index
 
 
@@ -83,6 +87,18 @@ def sending() -> _SendState:
     if state is None:
         raise RuntimeError("procspawn reducer called outside procspawn.sharing dumps()")
     return state
+
+
+def attach_fd(fd: int, owner: Any) -> int:
+    """For a strategy's ``reduce``: send ``fd`` with the message being pickled, ``owner``
+    (the segment) keeping it open meanwhile; returns the index ``received_fd`` takes."""
+    return sending().add_fd(fd, owner)
+
+
+def received_fd(index: int) -> int:
+    """For a strategy's ``rebuild``: descriptor ``index`` of the message being unpickled
+    (borrowed: it is closed after unpickling, so ``os.dup`` it to keep it)."""
+    return receiving()[index]
 
 
 def receiving() -> list[int]:
@@ -189,10 +205,6 @@ def dumps(obj: Any, inflight: bool = True, deferred: list[Any] | None = None) ->
             Pickler(buf).dump(obj)
         else:
             _DeferringPickler(buf, deferred).dump(obj)
-    except BaseException:
-        for fd in state.fds:
-            os.close(fd)
-        raise
     finally:
         _local.send = previous
     return Message(buf.getvalue(), state.fds, state.keepalive, inflight)

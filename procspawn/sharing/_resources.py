@@ -40,10 +40,10 @@ class SharedMemoryFullError(OSError):
         return (OSError, self.args)
 
 
-def reserve(fd: int, nbytes: int, where: str, free_path: str | None) -> None:
-    """posix_fallocate ``nbytes`` of ``fd``; ENOSPC becomes a SharedMemoryFullError."""
+def reserve(fd: int, nbytes: int, where: str, free_path: str | None, overhead: int = 0) -> None:
+    """posix_fallocate ``overhead + nbytes`` of ``fd``; ENOSPC becomes a SharedMemoryFullError."""
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, 0, overhead + nbytes)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise

@@ -125,6 +125,37 @@ class Segment:
             exitpriority=-100,
         )
 
+    @classmethod
+    def map(
+        cls,
+        fd: int,
+        size: int,
+        *,
+        strategy: str,
+        key: Any,
+        header: int = 0,
+        keep_fd: bool = False,
+        on_release: Callable[[], Any] | None = None,
+    ) -> Segment:
+        """Map ``header + size`` bytes of ``fd`` shared; the usable bytes start after ``header``.
+
+        With ``keep_fd`` the Segment owns ``fd`` and closes it on release; otherwise the
+        caller may close ``fd`` at once (the mapping needs no descriptor). ``on_release``
+        runs once when the Segment is released in the process that made it.
+        """
+        length = max(header + size, 1)
+        address = map_fd(fd, length)
+        return cls(
+            address=address + header,
+            size=size,
+            strategy=strategy,
+            key=key,
+            map_address=address,
+            map_length=length,
+            fd=fd if keep_fd else -1,
+            on_release=on_release,
+        )
+
     @property
     def __array_interface__(self) -> dict[str, Any]:
         return {

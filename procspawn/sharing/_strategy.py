@@ -25,12 +25,14 @@ class SharingStrategy:
     Subclass it and register an instance with ``procspawn.sharing.register_strategy``.
     A strategy implements three operations:
 
-    * ``allocate(nbytes)`` makes a new Segment of ``nbytes`` usable bytes in this process;
+    * ``allocate(nbytes)`` makes a new Segment of ``nbytes`` usable bytes in this process
+      (``Segment.map(fd, nbytes, strategy=self.name, key=...)`` maps a descriptor);
     * ``reduce(segment)`` turns a Segment into a picklable handle while a message is being
-      pickled (``procspawn.sharing._pickler.sending()`` gives the message, to attach file
-      descriptors or take a reference for the message in flight);
+      pickled (``sharing.attach_fd(fd)`` sends a descriptor along with the message);
     * ``rebuild(handle)`` maps the segment a handle names, in the receiving process, and
-      returns a new Segment (``receiving()`` gives the message's descriptors).
+      returns a new Segment (``sharing.received_fd(index)`` gives a sent descriptor).
+
+    ``key`` identifies a segment across processes: a receiver maps each key once.
 
     ``adopt_cached(handle, segment)`` is called instead of ``rebuild`` when this process
     already maps the segment; it releases whatever the handle carried.
@@ -138,6 +140,20 @@ def set_sharing_strategy(name: str) -> None:
             f"unknown sharing strategy {name!r}; valid: {', '.join(sorted(_strategies))}"
         )
     _current = name
+
+
+def snapshot() -> tuple[str, SharingStrategy | None]:
+    """This process' strategy choice, to hand to a child (a custom strategy travels along)."""
+    name = get_sharing_strategy()
+    return name, (None if name in _builtin else _strategies[name])
+
+
+def restore(choice: tuple[str, SharingStrategy | None]) -> None:
+    """Adopt a parent's ``snapshot()`` in a child."""
+    name, strategy = choice
+    if strategy is not None and name not in _strategies:
+        register_strategy(name, strategy)
+    set_sharing_strategy(name)
 
 
 def current() -> SharingStrategy:

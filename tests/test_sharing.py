@@ -1,0 +1,455 @@
+"""Arrays through shared memory: every strategy x every start method, every channel."""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import textwrap
+
+import numpy as np
+import pytest
+from _helpers import ARRAY_KINDS, add_rank_in_place, make_array, run_script
+
+import procspawn as mp
+from procspawn import sharing
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.hasobject:
+        return a.tolist() == b.tolist()
+    return np.array_equal(a, b)
+
+
+# -- spawn arguments and results -----------------------------------------------------------
+
+
+def test_writes_visible_both_ways_through_spawn_args(strategy, start_method):
+    shared = sharing.zeros(4, dtype=np.int64)
+    shared[3] = 100
+
+    def fn(rank, array):
+        seen = int(array[3])
+        array[rank] += rank + 1
+        return seen, sharing.is_shared(array), mp.get_sharing_strategy()
+
+    results = mp.spawn(fn, args=(shared,), nprocs=3, start_method=start_method)
+    assert results == [(100, True, strategy)] * 3
+    assert shared.tolist() == [1, 2, 3, 100]
+
+
+def test_unshared_argument_is_copied_once_and_left_alone(strategy, start_method):
+    plain = np.arange(100_000, dtype=np.float64)
+    mp.spawn(add_rank_in_place, args=(plain,), nprocs=2, start_method=start_method)
+    assert not sharing.is_shared(plain)
+    assert plain[0] == 0 and plain[1] == 1  # the ranks wrote into their shared copy only
+
+    def fn(rank, array):
+        array[0] = -1  # the ranks share one copy with each other
+        return sharing.is_shared(array)
+
+    assert mp.spawn(fn, args=(plain,), nprocs=2, start_method=start_method) == [True, True]
+
+
+def test_views_alias_in_the_child(strategy, start_method):
+    base = sharing.zeros((10, 10))
+    view = base[2:5, ::2]
+
+    def fn(rank, base, view):
+        view[0, 0] = 7.0  # base[2, 0]
+        return bool(np.shares_memory(base, view)), float(base[2, 0])
+
+    assert mp.spawn(fn, args=(base, view), nprocs=1, start_method=start_method) == [(True, 7.0)]
+    assert base[2, 0] == 7.0
+
+
+@pytest.mark.parametrize("kind", ARRAY_KINDS)
+def test_dtype_and_layout_round_trip_through_spawn(strategy, kind):
+    array = make_array(kind)
+
+    def fn(rank, a):
+        return a, a.flags.writeable, a.flags.f_contiguous, a.flags.c_contiguous
+
+    [(back, writeable, f_contig, c_contig)] = mp.spawn(fn, args=(array,), nprocs=1)
+    assert _same(back, array)
+    assert _same(back, array)
+    assert writeable == array.flags.writeable == back.flags.writeable
+    if kind == "fortran":
+        assert f_contig and not c_contig and back.flags.f_contiguous
+    if kind == "noncontiguous":
+        assert back.strides == array.strides or back.flags.c_contiguous
+
+
+def test_shared_noncontiguous_view_keeps_strides(strategy):
+    base = sharing.zeros((64, 64))
+    base[:] = np.arange(64 * 64).reshape(64, 64)
+    view = base[::3, ::-2]
+
+    def fn(rank, v):
+        return v.strides, v.copy()
+
+    [(strides, values)] = mp.spawn(fn, args=(view,), nprocs=1)
+    assert strides == view.strides
+    assert np.array_equal(values, view)
+
+
+def test_results_come_back_through_shared_memory(strategy, start_method):
+    def fn(rank):
+        return np.full(200_000, rank, dtype=np.int32)
+
+    results = mp.spawn(fn, nprocs=2, start_method=start_method)
+    assert [int(r.sum()) for r in results] == [0, 200_000]
+    assert all(sharing.is_shared(r) for r in results)
+
+
+# -- queues and pipes ----------------------------------------------------------------------
+
+
+def _producer(q, shared):
+    shared[0] = 1.0  # the parent sees this
+    q.put(("plain", np.arange(50_000, dtype=np.float32)))
+    q.put(("shared", shared, shared[10:20]))
+
+
+def test_queue_writes_visible_both_ways_and_views_alias(strategy, start_method):
+    ctx = mp.get_context(start_method)
+    q = ctx.Queue()
+    shared = sharing.zeros(1000)
+    p = ctx.Process(target=_producer, args=(q, shared))
+    p.start()
+    tag, plain = q.get(timeout=60)
+    assert tag == "plain" and np.array_equal(plain, np.arange(50_000, dtype=np.float32))
+    tag, again, view = q.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    assert shared[0] == 1.0
+    again[5] = 5.0  # the parent's original sees writes made through the received handle
+    assert shared[5] == 5.0
+    assert np.shares_memory(again, view) and np.shares_memory(shared, view)
+    q.close()
+    q.join_thread()
+
+
+def _pipe_child(conn):
+    array = conn.recv()
+    array *= 2
+    conn.send(array[1:3])
+    conn.close()
+
+
+def test_pipe_writes_visible_both_ways(strategy, start_method):
+    ctx = mp.get_context(start_method)
+    parent, child = ctx.Pipe()
+    shared = sharing.zeros(8)
+    shared[:] = 1
+    p = ctx.Process(target=_pipe_child, args=(child,))
+    p.start()
+    child.close()
+    parent.send(shared)
+    back = parent.recv()
+    p.join(60)
+    assert shared.tolist() == [2.0] * 8
+    back[0] = 9
+    assert shared[1] == 9
+    parent.close()
+
+
+def _send_and_exit(q, n):
+    for i in range(n):
+        q.put(np.full(100_000, i, dtype=np.int64))
+    q.close()
+    q.join_thread()
+
+
+def test_producer_exits_before_the_consumer_gets(strategy, start_method):
+    ctx = mp.get_context(start_method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_send_and_exit, args=(q, 3))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    got = [q.get(timeout=30) for _ in range(3)]
+    assert [int(a[0]) for a in got] == [0, 1, 2]
+    assert all(sharing.is_shared(a) for a in got)
+    with pytest.raises(queue_mod.Empty):
+        q.get(timeout=0.1)
+    q.close()
+    q.join_thread()
+
+
+def test_two_handles_give_arrays_that_share_memory(strategy):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    shared = sharing.zeros(100)
+    q.put(shared)
+    q.put(shared[50:])
+    first, second = q.get(timeout=30), q.get(timeout=30)
+    first[60] = 3.0
+    assert second[10] == 3.0
+    assert np.shares_memory(first, second)
+    q.close()
+    q.join_thread()
+
+
+def test_received_array_sent_on_goes_as_its_handle(strategy):
+    r1, w1 = mp.Pipe(duplex=False)
+    r2, w2 = mp.Pipe(duplex=False)
+    original = sharing.zeros(1000)
+    w1.send(original)
+    received = r1.recv()
+    w2.send(received)
+    forwarded = r2.recv()
+    forwarded[0] = 42
+    assert original[0] == 42
+    for c in (r1, w1, r2, w2):
+        c.close()
+
+
+def test_joinable_and_simple_queue(strategy):
+    jq = mp.JoinableQueue()
+    jq.put(np.ones(100_000))
+    assert jq.get(timeout=30).sum() == 100_000
+    jq.task_done()
+    jq.join()
+    jq.close()
+    jq.join_thread()
+    sq = mp.SimpleQueue()
+    assert sq.empty()
+    sq.put(sharing.zeros(3))
+    assert sharing.is_shared(sq.get())
+    sq.close()
+
+
+def test_unpicklable_put_raises_in_the_caller():
+    import threading
+
+    q = mp.Queue()
+    with pytest.raises(TypeError):
+        q.put(threading.Lock())
+    q.put(1)  # the semaphore slot was given back
+    assert q.get(timeout=10) == 1
+    q.close()
+    q.join_thread()
+
+
+def test_pool_map_with_arrays(strategy, start_method):
+    ctx = mp.get_context(start_method)
+    arrays = [np.full(100_000, i, dtype=np.float64) for i in range(6)]
+    # close + join, not terminate: a worker SIGTERMed while it holds a file_system segment
+    # leaves it for the cleanup daemon, which is not what this test is about
+    pool = ctx.Pool(2)
+    sums = pool.map(np.sum, arrays)
+    doubled = pool.map(lambda a: a * 2, arrays[:2])
+    pool.close()
+    pool.join()
+    assert sums == [100_000.0 * i for i in range(6)]
+    assert [float(d[0]) for d in doubled] == [0.0, 2.0]
+    assert all(sharing.is_shared(d) for d in doubled)
+
+
+# -- share_memory_ -------------------------------------------------------------------------
+
+
+def test_share_memory_ndarray_returns_shared_copy(strategy):
+    a = np.arange(10.0)
+    s = sharing.share_memory_(a)
+    assert sharing.is_shared(s) and not sharing.is_shared(a)
+    assert np.array_equal(a, s)
+    assert sharing.share_memory_(s) is s
+
+
+def test_share_memory_dict_list_object_in_place(strategy):
+    base = np.arange(100.0)
+    params = {"w": base, "head": base[:10], "tail": base[90:], "name": "model"}
+    sharing.share_memory_(params)
+    assert all(sharing.is_shared(params[k]) for k in ("w", "head", "tail"))
+    assert params["name"] == "model"
+    assert np.shares_memory(params["w"], params["head"])  # views stayed views
+    params["w"][0] = -1
+    assert params["head"][0] == -1
+
+    items = [np.zeros(3), 5]
+    sharing.share_memory_(items)
+    assert sharing.is_shared(items[0]) and items[1] == 5
+
+    class Model:
+        def __init__(self):
+            self.weights = np.ones((4, 4))
+            self.bias = self.weights[0]
+            self.steps = 0
+
+    model = Model()
+    assert sharing.share_memory_(model) is model
+    assert sharing.is_shared(model.weights) and np.shares_memory(model.weights, model.bias)
+
+    def fn(rank, m):
+        m.weights[rank] += 1  # Hogwild: every rank updates the shared parameters
+        return m.steps
+
+    assert mp.spawn(fn, args=(model,), nprocs=2) == [0, 0]
+    assert model.weights[:2].tolist() == [[2.0] * 4, [2.0] * 4]
+    assert model.bias.tolist() == [2.0] * 4
+
+    with pytest.raises(TypeError, match="share_memory_"):
+        sharing.share_memory_(5)
+
+
+# -- strategies ----------------------------------------------------------------------------
+
+
+def test_strategy_registry():
+    assert {"file_system", "file_descriptor"} <= mp.get_all_sharing_strategies()
+    before = mp.get_sharing_strategy()
+    with pytest.raises(ValueError, match="unknown sharing strategy 'nope'.*file_system"):
+        mp.set_sharing_strategy("nope")
+    assert mp.get_sharing_strategy() == before
+    with pytest.raises(TypeError):
+        sharing.register_strategy("x", object())
+
+
+def test_strategy_env_default():
+    result = run_script(
+        "import procspawn as mp; print(mp.get_sharing_strategy())",
+        env_extra={"PROCSPAWN_SHARING_STRATEGY": "file_system"},
+    )
+    assert result.stdout.strip() == "file_system", result.stderr
+
+
+def test_custom_strategy_registered_and_used(start_method):
+    from _helpers import CountingStrategy
+
+    strat = CountingStrategy()
+    sharing.register_strategy("counting", strat)
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("counting")
+    try:
+        shared = sharing.zeros(100_000)
+        assert strat.allocated == 1
+        shared[0] = 3
+
+        def fn(rank, a):
+            a[1] = 4
+            return mp.get_sharing_strategy(), float(a[0])
+
+        assert mp.spawn(fn, args=(shared,), nprocs=1, start_method=start_method) == [
+            ("counting", 3.0)
+        ]
+        assert shared[1] == 4
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
+def test_file_system_segments_are_private_and_freed():
+    mp.set_sharing_strategy("file_system")
+    try:
+        a = sharing.zeros(1000)
+        [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
+        del a
+        import gc
+
+        gc.collect()
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def test_many_live_arrays_under_file_system_with_low_fd_limit():
+    code = textwrap.dedent(
+        """
+        import resource, numpy as np
+        import procspawn as mp
+        from procspawn import sharing
+
+        def shared(value):
+            a = sharing.zeros(16)
+            a[0] = value
+            return a
+
+        def producer(q, n):
+            for i in range(0, n, 500):
+                q.put([shared(j) for j in range(i, i + 500)])
+            q.close()
+            q.join_thread()
+
+        if __name__ == "__main__":
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+            mp.set_sharing_strategy("file_system")
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=producer, args=(q, 10_000))
+            p.start()
+            held = []
+            while len(held) < 10_000:
+                held.extend(q.get(timeout=60))
+            p.join()
+            assert all(sharing.is_shared(a) for a in held)
+            assert [float(a[0]) for a in held[:3]] == [0.0, 1.0, 2.0]
+            held[9999][1] = 5
+            import os
+            print(len(held), len(os.listdir("/proc/self/fd")))
+        """
+    )
+    result = run_script(code, timeout=110)
+    assert result.returncode == 0, result.stderr
+    held, fds = map(int, result.stdout.split())
+    assert held == 10_000
+    assert fds < 64  # a live array under file_system costs no descriptor
+
+
+def test_fd_exhaustion_gives_a_clear_error():
+    code = textwrap.dedent(
+        """
+        import resource
+        import procspawn as mp
+        from procspawn import sharing
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_descriptor")
+            r, w = mp.Pipe(duplex=False)
+            arrays = [sharing.zeros(8) for _ in range(40)]  # one memfd each
+            resource.setrlimit(resource.RLIMIT_NOFILE, (60, 60))
+            w.send(arrays)  # receiving needs 40 more descriptors at once
+            try:
+                r.recv()
+            except OSError as exc:
+                print(type(exc).__name__)
+                print(exc)
+        """
+    )
+    result = run_script(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("FdLimitError"), result.stdout
+    assert "RLIMIT_NOFILE" in result.stdout and "ulimit -n" in result.stdout
+    assert "set_sharing_strategy('file_system')" in result.stdout
+
+
+def test_mapping_holds_no_descriptor():
+    mp.set_sharing_strategy("file_system")
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        arrays = [sharing.zeros(10) for _ in range(50)]
+        assert len(os.listdir("/proc/self/fd")) == before
+        del arrays
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+    arrays = [sharing.zeros(10) for _ in range(50)]
+    assert len(os.listdir("/proc/self/fd")) == before + 50  # exactly one memfd each
+    del arrays
+
+
+def test_full_dev_shm_is_an_error_at_allocation():
+    st = os.statvfs("/dev/shm")
+    too_much = st.f_blocks * st.f_frsize + (1 << 30)
+    mp.set_sharing_strategy("file_system")
+    try:
+        with pytest.raises(sharing.SharedMemoryFullError) as info:
+            sharing.empty(too_much, dtype=np.uint8)
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+    msg = str(info.value)
+    assert f"{too_much:,}" in msg and "free" in msg and "--shm-size" in msg
+    assert isinstance(info.value, OSError)

@@ -109,11 +109,19 @@ def add_rank_in_place(rank, array):
     return None
 
 
+def script_env() -> dict:
+    """The environment for a script run as its own process tree: the repository on the
+    path, and not this session's cleanup daemon (the script starts its own)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("PROCSPAWN_MANAGER", None)
+    return env
+
+
 def run_script(
     code: str, timeout: float = 60, env_extra: dict | None = None, **kwargs
 ) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter with the repository on sys.path."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = script_env()
     env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-c", code],

@@ -74,6 +74,9 @@ def _session_setup():
     forkserver.ensure_running()
     resource_tracker.ensure_running()
     procspawn.get_sharing_strategy()
+    from procspawn.sharing import _manager
+
+    _manager.ensure()  # this session's cleanup daemon (file_system), alive until we exit
     yield
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from _helpers import ROOT
+from _helpers import ROOT, script_env
 
 EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
 
@@ -15,7 +15,7 @@ EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.end
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_runs(name):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = script_env()
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name)],
         capture_output=True,

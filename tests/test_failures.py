@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from _helpers import ROOT, Boom, BreaksInChild, crash, fail_if_rank, identity
+from _helpers import Boom, BreaksInChild, crash, fail_if_rank, identity, script_env
 
 import procspawn as mp
 
@@ -168,7 +168,7 @@ def _start_parent(tmp_path, start_method, extra=""):
     )
     script = tmp_path / "parent.py"
     script.write_text(code)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = script_env()
     proc = subprocess.Popen(
         [sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True
     )

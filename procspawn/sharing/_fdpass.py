@@ -45,25 +45,21 @@ class FdLimitError(OSError):
     array holds none: ``procspawn.set_sharing_strategy("file_system")``.
     """
 
-    def __init__(self, lost: int, wanted: int) -> None:
+    def __init__(self, what: str) -> None:
+        self.what = what
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         super().__init__(
             errno.EMFILE,
-            f"too many open files: a message carried {wanted} shared-memory file "
-            f"descriptor(s) and {lost} could not be received because this process is at "
-            f"its limit (RLIMIT_NOFILE soft={soft}, hard={hard}). Each live array shared "
-            f"under the 'file_descriptor' strategy holds one descriptor. Fix: raise the "
-            f"limit (`ulimit -n {max(hard, soft * 4)}`) or call "
+            f"too many open files: {what}, because this process is at its limit "
+            f"(RLIMIT_NOFILE soft={soft}, hard={hard}). Each live array shared under the "
+            f"'file_descriptor' strategy holds one descriptor. Fix: raise the limit "
+            f"(`ulimit -n {max(hard, soft * 4)}`) or call "
             f"procspawn.set_sharing_strategy('file_system'), which holds no descriptor "
             f"per array.",
         )
 
     def __reduce__(self):
-        return (_rebuild_fd_limit_error, (self.args[1],))
-
-
-def _rebuild_fd_limit_error(msg: str) -> OSError:
-    return OSError(errno.EMFILE, msg)
+        return (FdLimitError, (self.what,))
 
 
 class ChannelClosed(EOFError):
@@ -167,7 +163,10 @@ class MessageReader:
             for fd in fds:
                 os.close(fd)
             self._reset()
-            raise FdLimitError(wanted - len(fds), wanted)
+            raise FdLimitError(
+                f"a message carried {wanted} shared-memory file descriptor(s) and "
+                f"{wanted - len(fds)} could not be received"
+            )
         self._reset()
         self._done = (data, fds)  # type: ignore[assignment]
         return True

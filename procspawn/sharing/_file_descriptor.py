@@ -9,13 +9,27 @@ itself holds none.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from . import _pickler
+from ._fdpass import FdLimitError
 from ._resources import raise_fd_limit, reserve
 from ._segment import Segment
 from ._strategy import SharingStrategy
+
+
+@contextlib.contextmanager
+def _fd_limit(what: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError(what) from None
+        raise
 
 
 def _segment(fd: int, size: int, key: Any) -> Segment:
@@ -31,7 +45,8 @@ class FileDescriptorStrategy(SharingStrategy):
 
     def allocate(self, nbytes: int) -> Segment:
         raise_fd_limit()
-        fd = os.memfd_create("procspawn", os.MFD_CLOEXEC)
+        with _fd_limit("a new shared-memory segment could not be created"):
+            fd = os.memfd_create("procspawn", os.MFD_CLOEXEC)
         try:
             reserve(fd, max(nbytes, 1), "a memfd segment", None)
             st = os.fstat(fd)
@@ -46,6 +61,7 @@ class FileDescriptorStrategy(SharingStrategy):
     def rebuild(self, handle: Any) -> Segment:
         raise_fd_limit()
         index, size = handle
-        fd = os.dup(_pickler.receiving()[index])
+        with _fd_limit("a received shared-memory segment could not be kept open"):
+            fd = os.dup(_pickler.receiving()[index])
         st = os.fstat(fd)
         return _segment(fd, size, (st.st_dev, st.st_ino))

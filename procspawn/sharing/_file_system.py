@@ -13,8 +13,9 @@ drops it when it already maps the segment). The last release unlinks the name. N
 descriptor is kept once the segment is mapped: a live array costs none, which makes this
 the strategy for low fd limits and very many arrays.
 
-Names that a process that dies leaves behind are for the cleanup daemon: every name goes
-through ``on_create`` before its file exists.
+Names that a process that dies leaves behind are for the cleanup daemon (``_manager``): a
+process registers every name before it creates or maps it, and tells the daemon when the
+last reference unlinked it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import fcntl
 import os
 import secrets
 import struct
-from collections.abc import Callable
 from typing import Any
 
-from . import _pickler
+from . import _manager, _pickler
 from ._resources import reserve
 from ._segment import Segment
 from ._strategy import SharingStrategy
@@ -35,10 +35,6 @@ SHM_DIR = "/dev/shm"
 PREFIX = "procspawn_"
 _HEADER = 64
 _COUNT = struct.Struct("<q")
-
-#: called with each new segment name before its file is created (the cleanup daemon's
-#: registration point)
-on_create: list[Callable[[str], None]] = []
 
 
 def _path(name: str) -> str:
@@ -64,7 +60,8 @@ def adjust_refcount(name: str, delta: int) -> int:
 
 
 def _release(name: str) -> None:
-    adjust_refcount(name, -1)
+    count = adjust_refcount(name, -1)
+    _manager.released(name, unlinked=count <= 0)
 
 
 def _map(fd: int, name: str, size: int) -> Segment:
@@ -85,8 +82,7 @@ class FileSystemStrategy(SharingStrategy):
 
     def allocate(self, nbytes: int) -> Segment:
         name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
-        for hook in on_create:
-            hook(name)
+        _manager.register(name)
         fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
@@ -95,6 +91,7 @@ class FileSystemStrategy(SharingStrategy):
                 return _map(fd, name, nbytes)
             except BaseException:
                 os.unlink(_path(name))
+                _manager.released(name, unlinked=True)
                 raise
         finally:
             os.close(fd)
@@ -109,11 +106,13 @@ class FileSystemStrategy(SharingStrategy):
 
     def rebuild(self, handle: Any) -> Segment:
         name, size, inflight = handle
+        _manager.register(name)
         if not inflight:
             adjust_refcount(name, +1)  # the sender keeps it alive until we hold our own
         try:
             fd = os.open(_path(name), os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
+            _manager.released(name, unlinked=False)
             raise FileNotFoundError(
                 f"shared segment {name} no longer exists: every process holding it let go "
                 f"before this message was received"

@@ -142,15 +142,27 @@ def set_sharing_strategy(name: str) -> None:
     _current = name
 
 
-def snapshot() -> tuple[str, SharingStrategy | None]:
-    """This process' strategy choice, to hand to a child (a custom strategy travels along)."""
+def snapshot() -> dict[str, Any]:
+    """What a child needs of this process' sharing settings, whatever the start method:
+    the strategy (a custom one travels along) and the cleanup daemon's address (a
+    forkserver child would not inherit it through the environment)."""
+    from . import _manager
+
     name = get_sharing_strategy()
-    return name, (None if name in _builtin else _strategies[name])
+    return {
+        "strategy": name,
+        "custom": None if name in _builtin else _strategies[name],
+        "manager": _manager.ensure() if name == "file_system" else os.environ.get(_manager.ENV),
+    }
 
 
-def restore(choice: tuple[str, SharingStrategy | None]) -> None:
+def restore(settings: dict[str, Any]) -> None:
     """Adopt a parent's ``snapshot()`` in a child."""
-    name, strategy = choice
+    from . import _manager
+
+    if settings["manager"]:
+        os.environ[_manager.ENV] = settings["manager"]
+    name, strategy = settings["strategy"], settings["custom"]
     if strategy is not None and name not in _strategies:
         register_strategy(name, strategy)
     set_sharing_strategy(name)

@@ -1,0 +1,221 @@
+"""``procspawn`` / ``python -m procspawn``: look at and clean up shared memory.
+
+    procspawn info [--json]              what this machine offers and what procspawn holds
+    procspawn cleanup [--dry-run] [--json]
+                                         remove procspawn_* segments that no live process
+                                         maps and no live cleanup daemon records
+
+Exit codes: 0 success, 1 a segment could not be removed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+from typing import Any
+
+SHM_DIR = "/dev/shm"
+PREFIX = "procspawn_"
+
+
+def _proc_entries() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()] if os.path.isdir("/proc") else []
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def _mapped_segments() -> dict[str, set[int]]:
+    """segment name -> pids of live processes that map it (from /proc/*/maps)."""
+    found: dict[str, set[int]] = {}
+    marker = f"{SHM_DIR}/{PREFIX}"
+    for pid in _proc_entries():
+        maps = _read(f"/proc/{pid}/maps")
+        if not maps or marker not in maps:
+            continue
+        for line in maps.splitlines():
+            i = line.find(marker)
+            if i >= 0:
+                name = line[i + len(SHM_DIR) + 1 :].split()[0]
+                found.setdefault(name, set()).add(pid)
+    return found
+
+
+def _daemons() -> list[dict[str, Any]]:
+    """Running cleanup daemons: pid, address, clients, recorded names."""
+    from .sharing import _manager
+
+    out = []
+    for pid in _proc_entries():
+        cmdline = _read(f"/proc/{pid}/cmdline")
+        if not cmdline or "_manager_main" not in cmdline:
+            continue
+        args = cmdline.split("\0")
+        address = args[args.index("--address") + 1] if "--address" in args else ""
+        sockets = 0
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                    sockets += 1
+        except OSError:
+            pass
+        names = _manager.query(address) if address else None
+        out.append(
+            {
+                "pid": pid,
+                "address": address,
+                "clients": max(0, sockets - 1),  # all but the listening socket
+                "names": names,
+            }
+        )
+    return out
+
+
+def _segments() -> list[dict[str, Any]]:
+    mapped = _mapped_segments()
+    out = []
+    try:
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        try:
+            st = os.stat(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        parts = name.split("_")
+        owner = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+        out.append(
+            {
+                "name": name,
+                "bytes": st.st_size,
+                "owner_pid": owner,
+                "owner_alive": owner is not None and os.path.exists(f"/proc/{owner}"),
+                "mapped_by": sorted(mapped.get(name, ())),
+            }
+        )
+    return out
+
+
+def info() -> dict[str, Any]:
+    from . import __version__, get_all_sharing_strategies, get_sharing_strategy
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    shm: dict[str, Any] = {"path": SHM_DIR}
+    try:
+        st = os.statvfs(SHM_DIR)
+        shm.update(size=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize)
+    except OSError:
+        shm.update(size=None, free=None)
+    return {
+        "version": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "default_strategy": get_sharing_strategy(),
+        "strategies": sorted(get_all_sharing_strategies()),
+        "dev_shm": shm,
+        "rlimit_nofile": {"soft": soft, "hard": hard},
+        "daemons": _daemons(),
+        "segments": _segments(),
+    }
+
+
+def cleanup(dry_run: bool) -> dict[str, Any]:
+    tracked: set[str] = set()
+    for daemon in _daemons():
+        tracked.update(daemon["names"] or ())
+    freed, kept, failed = [], [], []
+    for seg in _segments():
+        if seg["mapped_by"] or seg["name"] in tracked:
+            kept.append(seg)
+            continue
+        if not dry_run:
+            try:
+                os.unlink(os.path.join(SHM_DIR, seg["name"]))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                failed.append({**seg, "error": str(exc)})
+                continue
+        freed.append(seg)
+    return {
+        "dry_run": dry_run,
+        "freed": freed,
+        "freed_bytes": sum(s["bytes"] for s in freed),
+        "kept": kept,
+        "failed": failed,
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "?"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _print_info(data: dict[str, Any]) -> None:
+    print(f"procspawn {data['version']} on Python {data['python']}, {data['platform']}")
+    print(
+        f"sharing strategy: {data['default_strategy']} (available: {', '.join(data['strategies'])})"
+    )
+    shm = data["dev_shm"]
+    print(f"{shm['path']}: {_size(shm['free'])} free of {_size(shm['size'])}")
+    lim = data["rlimit_nofile"]
+    print(f"RLIMIT_NOFILE: soft {lim['soft']}, hard {lim['hard']}")
+    print(f"cleanup daemons: {len(data['daemons'])}")
+    for d in data["daemons"]:
+        names = "?" if d["names"] is None else len(d["names"])
+        print(f"  pid {d['pid']} @{d['address']}: {d['clients']} client(s), {names} name(s)")
+    print(f"segments: {len(data['segments'])}")
+    for s in data["segments"]:
+        owner = f"owner {s['owner_pid']} ({'alive' if s['owner_alive'] else 'dead'})"
+        mapped = f"mapped by {s['mapped_by']}" if s["mapped_by"] else "mapped by no process"
+        print(f"  {s['name']}  {_size(s['bytes'])}  {owner}, {mapped}")
+
+
+def _print_cleanup(data: dict[str, Any]) -> None:
+    verb = "would free" if data["dry_run"] else "freed"
+    for s in data["freed"]:
+        print(f"{verb} {s['name']} ({_size(s['bytes'])})")
+    for s in data["failed"]:
+        print(f"could not remove {s['name']}: {s['error']}", file=sys.stderr)
+    print(
+        f"{verb} {len(data['freed'])} segment(s), {data['freed_bytes']} bytes; "
+        f"kept {len(data['kept'])} in use"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="procspawn", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, limits, daemons and segments")
+    p_info.add_argument("--json", action="store_true", help="machine-readable output")
+    p_clean = sub.add_parser("cleanup", help="remove segments nothing uses any more")
+    p_clean.add_argument("--dry-run", action="store_true", help="only list what would go")
+    p_clean.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        data = info()
+        print(json.dumps(data, indent=2)) if args.json else _print_info(data)
+        return 0
+    data = cleanup(args.dry_run)
+    print(json.dumps(data, indent=2)) if args.json else _print_cleanup(data)
+    return 1 if data["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

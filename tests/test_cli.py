@@ -1,0 +1,104 @@
+"""`procspawn info` and `procspawn cleanup`, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _helpers import script_env
+
+import procspawn as mp
+from procspawn import sharing
+from procspawn.sharing import _manager
+
+pytestmark = pytest.mark.timeout(60)
+
+STRAY = "procspawn_999999999_0123456789abcdef"
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "procspawn", *args],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=script_env(),
+    )
+
+
+@pytest.fixture
+def stray():
+    path = f"/dev/shm/{STRAY}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    yield STRAY
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def test_info_json():
+    mp.set_sharing_strategy("file_system")
+    try:
+        held = sharing.zeros(1000)
+        [mine] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        result = _cli("info", "--json")
+        assert result.returncode == 0, result.stderr
+        data = json.loads(result.stdout)
+        assert data["version"] == mp.__version__
+        assert {"file_system", "file_descriptor"} <= set(data["strategies"])
+        assert data["dev_shm"]["size"] > 0 and data["dev_shm"]["free"] > 0
+        assert data["rlimit_nofile"]["soft"] > 0
+        [seg] = [s for s in data["segments"] if s["name"] == mine]
+        assert seg["owner_pid"] == os.getpid() and seg["owner_alive"]
+        assert os.getpid() in seg["mapped_by"]
+        assert seg["bytes"] >= held.nbytes
+        [daemon] = [d for d in data["daemons"] if d["address"] == _manager.ensure()]
+        assert mine in daemon["names"] and daemon["clients"] >= 1
+        text = _cli("info")
+        assert text.returncode == 0 and mine in text.stdout and "RLIMIT_NOFILE" in text.stdout
+        del held
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def test_cleanup_dry_run_then_for_real(stray):
+    mp.set_sharing_strategy("file_system")
+    try:
+        held = sharing.zeros(10)  # mapped by a live process and tracked: must be kept
+        [mine] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        dry = _cli("cleanup", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert f"would free {stray}" in dry.stdout and os.path.exists(f"/dev/shm/{stray}")
+        real = json.loads(_cli("cleanup", "--json").stdout)
+        assert [s["name"] for s in real["freed"]] == [stray]
+        assert real["freed_bytes"] == 4096
+        assert not os.path.exists(f"/dev/shm/{stray}")
+        assert os.path.exists(f"/dev/shm/{mine}")
+        assert mine in [s["name"] for s in real["kept"]]
+        del held
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def test_cleanup_keeps_what_a_daemon_tracks_even_if_unmapped():
+    # a message in flight: nobody maps the segment, but the daemon knows it
+    mp.set_sharing_strategy("file_system")
+    try:
+        q = mp.SimpleQueue()
+        q.put(sharing.zeros(100_000))  # sent, then the sender's array is gone
+        [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        result = json.loads(_cli("cleanup", "--json").stdout)
+        assert name not in [s["name"] for s in result["freed"]]
+        assert q.get().shape == (100_000,)
+        q.close()
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def test_bad_usage_exits_2():
+    result = _cli("frobnicate")
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr

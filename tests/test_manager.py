@@ -1,0 +1,166 @@
+"""The file_system cleanup daemon: one per tree, private, cleans after SIGKILL, restarts."""
+
+from __future__ import annotations
+
+import os
+import socket
+import textwrap
+import time
+
+import pytest
+from _helpers import run_script
+
+import procspawn as mp
+from procspawn import sharing
+from procspawn.sharing import _manager
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _wait(predicate, seconds=15.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _segments():
+    return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
+
+
+def _sid(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[3])
+
+
+def test_segments_of_sigkilled_ranks_are_freed_after_the_tree_exits(start_method):
+    code = textwrap.dedent(
+        f"""
+        import os, json, signal
+        import procspawn as mp
+        from procspawn import sharing
+        from procspawn.sharing import _manager
+
+        def work(rank, data):
+            keep = sharing.zeros(10_000)   # this rank's own segment, never released
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            data = sharing.zeros(100_000)
+            try:
+                mp.spawn(work, args=(data,), nprocs=2, start_method={start_method!r})
+            except mp.ProcessExitedException as exc:
+                print(exc.signal_name)
+            print(os.environ[_manager.ENV])
+            print(sorted(n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")))
+        """
+    )
+    before = _segments()
+    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
+    assert result.returncode == 0, result.stderr
+    signal_name, address, left = result.stdout.splitlines()
+    assert signal_name == "SIGKILL"
+    assert address.startswith(f"procspawn-{os.getuid()}-")
+    assert eval(left), "the killed ranks' segments should exist while the tree runs"
+    assert _wait(lambda: not (_segments() - before)), "the daemon did not free them"
+    assert _manager.query(address) is None  # and it exited
+
+
+def _make_and_exit(_):
+    mp.set_sharing_strategy("file_system")
+    a = sharing.zeros(1000)
+    a[0] = 1
+
+
+def test_join_returns_promptly_after_a_file_system_producer_exits():
+    # The daemon the producer starts must not hold the producer's sentinel (torch's does).
+    ctx = mp.get_context("spawn")
+    env_before = os.environ.get(_manager.ENV)
+    p = ctx.Process(target=_make_and_exit, args=(None,))
+    p.start()
+    p.join(20)
+    assert p.exitcode == 0
+    assert os.environ.get(_manager.ENV) == env_before
+
+
+def test_daemon_is_detached_private_and_keeps_only_valid_names():
+    mp.set_sharing_strategy("file_system")
+    try:
+        a = sharing.zeros(10)
+        address = _manager.ensure()
+        [name] = [n for n in _segments() if n.startswith(f"procspawn_{os.getpid()}_")]
+        assert name in _manager.query(address)
+        pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and _cmd(e).count(address)]
+        assert len(pids) == 1
+        assert _sid(pids[0]) == pids[0] != _sid(os.getpid())  # its own session
+
+        # a record with a name procspawn could not have made is ignored
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect("\0" + address)
+            for bad in (b"../etc/passwd", b"procspawn_1_zz", b"procspawn_1_0123456789abcdef/x"):
+                s.sendall((b"R" + bad).ljust(64, b"\0"))
+        assert _wait(lambda: _manager.query(address) == [name])
+
+        # a peer of another uid is refused
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect("\0" + address)
+                    s.settimeout(5)
+                    try:
+                        s.sendall(b"R" + b"procspawn_1_0123456789abcdef".ljust(63, b"\0"))
+                        code = 0 if s.recv(1) == b"" else 1  # the daemon closed on us
+                    except (BrokenPipeError, ConnectionResetError):
+                        code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _manager.query(address) == [name]
+        del a
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def _cmd(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_killed_daemon_is_replaced_and_names_registered_again():
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        import procspawn as mp
+        from procspawn import sharing
+        from procspawn.sharing import _manager
+
+        mp.set_sharing_strategy("file_system")
+        a = sharing.zeros(1000)
+        old = _manager.ensure()
+        pid = [int(e) for e in os.listdir("/proc") if e.isdigit()
+               and old in open(f"/proc/{e}/cmdline", "rb").read().decode(errors="replace")][0]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while os.environ.get(_manager.ENV) == old and time.monotonic() < deadline:
+            time.sleep(0.02)
+        new = os.environ[_manager.ENV]
+        print(new != old)
+        [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        print(name in (_manager.query(new) or []))
+        os.kill(os.getpid(), signal.SIGKILL)   # the segment is left to the new daemon
+        """
+    )
+    before = _segments()
+    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
+    assert result.stdout.split() == ["True", "True"], result.stderr
+    assert _wait(lambda: not (_segments() - before))

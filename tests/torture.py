@@ -1,0 +1,245 @@
+"""SIGKILL torture: random workloads, a random process killed at a random moment.
+
+Each round starts a fresh parent interpreter that runs a producer and a consumer rank
+(``procspawn.spawn``), passing arrays through a procspawn Queue and returning arrays as
+results, under a random sharing strategy and start method. While it runs, this harness
+SIGKILLs one random target: the producer, the consumer, the parent, the cleanup daemon,
+or nothing. Then it checks, with every wait bounded:
+
+* hang: the parent must exit within ``--hang-after`` seconds;
+* orphan: every process of the round must be gone soon after (this harness is a child
+  subreaper, so daemons and orphans are reparented here and seen);
+* leak: no ``/dev/shm/procspawn_*`` segment made by a process of the round may be left
+  once the daemon's grace period has passed.
+
+    python tests/torture.py --rounds 1000 [--seed N] [--json out.json]
+
+The test suite runs a short version (tests/test_torture.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TARGETS = ["producer", "consumer", "parent", "daemon", "none"]
+GRACE = 0.5  # PROCSPAWN_MANAGER_GRACE for the rounds: a short daemon grace keeps rounds fast
+
+
+# -- the workload (runs in the round's parent interpreter) ----------------------------------
+
+
+def _rank(rank, queue, items, pid_dir):
+    import numpy as np
+
+    from procspawn import sharing
+
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    rng = np.random.default_rng(rank)
+    if rank == 0:  # producer: shared and unshared arrays, some big, some small
+        for i in range(items):
+            size = int(rng.choice([16, 20_000, 300_000]))
+            array = sharing.zeros(size) if i % 2 else np.zeros(size)
+            array[0] = i
+            queue.put((i, array))
+            time.sleep(float(rng.uniform(0, 0.02)))
+        queue.put(None)
+        queue.close()
+        queue.join_thread()
+        return sharing.zeros(1000)
+    total = 0.0
+    while (item := queue.get(timeout=30)) is not None:
+        total += float(item[1][0])
+    result = np.zeros(100_000)
+    result[0] = total
+    return result
+
+
+def workload(strategy, method, items, pid_dir):
+    import procspawn as mp
+
+    mp.set_sharing_strategy(strategy)
+    with open(os.path.join(pid_dir, "parent"), "w") as f:
+        f.write(str(os.getpid()))
+    queue = mp.get_context(method).Queue(maxsize=4)
+    results = mp.spawn(_rank, args=(queue, items, pid_dir), nprocs=2, start_method=method)
+    assert results[1][0] == sum(range(items))
+    queue.close()
+    queue.join_thread()
+
+
+# -- the harness ------------------------------------------------------------------------
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:
+            if fields[0] == "Z":
+                try:
+                    os.waitpid(int(entry), os.WNOHANG)
+                except ChildProcessError:
+                    pass
+            else:
+                out.add(int(entry))
+    return out
+
+
+def _daemon_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if b"_manager_main" in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None
+
+
+def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
+    strategy = rng.choice(["file_descriptor", "file_system"])
+    method = rng.choice(["spawn", "fork", "forkserver"])
+    # file_descriptor segments are anonymous: no daemon to kill there
+    target = rng.choice(TARGETS if strategy == "file_system" else TARGETS[:3] + TARGETS[4:])
+    pid_dir = os.path.join(workdir, f"round{rng.random():.12f}")
+    os.mkdir(pid_dir)
+    before_segments = _segments()
+    before_daemons = set(_daemon_pids())
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_MANAGER_GRACE=str(GRACE))
+    env.pop("PROCSPAWN_MANAGER", None)  # each round is a tree of its own, with its own daemon
+    code = (
+        "import sys, torture; "
+        f"torture.workload({strategy!r}, {method!r}, {rng.randint(20, 60)}, {pid_dir!r})"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    result = {"strategy": strategy, "method": method, "target": target, "killed": None}
+    # wait until the ranks run, then kill the target at a random moment
+    deadline = time.monotonic() + hang_after
+    while time.monotonic() < deadline and parent.poll() is None:
+        if all(os.path.exists(os.path.join(pid_dir, f"rank{r}")) for r in (0, 1)):
+            break
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0, 0.4))
+    victim = None
+    if target == "parent":
+        victim = parent.pid
+    elif target in ("producer", "consumer"):
+        victim = _read_pid(os.path.join(pid_dir, "rank0" if target == "producer" else "rank1"))
+    elif target == "daemon":
+        fresh = [p for p in _daemon_pids() if p not in before_daemons]
+        victim = fresh[0] if fresh else None
+    if victim is not None:
+        try:
+            os.kill(victim, signal.SIGKILL)
+            result["killed"] = target
+        except ProcessLookupError:
+            result["killed"] = "finished first"  # the target was done already
+    try:
+        parent.wait(max(0.1, deadline - time.monotonic()))
+        result["hang"] = False
+    except subprocess.TimeoutExpired:
+        result["hang"] = True
+        parent.kill()
+        parent.wait()
+    # orphans: every descendant (reparented here) must be gone once the daemon's grace passed
+    end = time.monotonic() + GRACE + 10
+    while _children() and time.monotonic() < end:
+        time.sleep(0.05)
+    orphans = _children()
+    result["orphans"] = len(orphans)
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 5
+    while (_segments() - before_segments) and time.monotonic() < end:
+        time.sleep(0.05)
+    leaked = _segments() - before_segments
+    result["leaks"] = len(leaked)
+    for name in leaked:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--hang-after", type=float, default=60.0)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    import tempfile
+
+    kills: collections.Counter[str] = collections.Counter()
+    totals = {"rounds": 0, "leaks": 0, "orphans": 0, "hangs": 0}
+    bad = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="procspawn-torture-") as workdir:
+        for i in range(args.rounds):
+            r = run_round(rng, workdir, args.hang_after)
+            totals["rounds"] += 1
+            kills[r["killed"] or "none"] += 1
+            totals["leaks"] += r["leaks"]
+            totals["orphans"] += r["orphans"]
+            totals["hangs"] += int(r["hang"])
+            if r["leaks"] or r["orphans"] or r["hang"]:
+                bad.append({"round": i, **r})
+    figures = {
+        "seed": seed,
+        **totals,
+        "kills": dict(kills),
+        "seconds": round(time.monotonic() - started, 1),
+        "bad_rounds": bad,
+    }
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0 if not bad else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

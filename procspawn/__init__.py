@@ -3,33 +3,54 @@
 ``import procspawn as mp`` is a drop-in for ``multiprocessing``: every public name of it is
 here, and ``Process``, ``Queue``, ``JoinableQueue``, ``SimpleQueue``, ``Pipe``, ``Pool`` and
 ``get_context`` are procspawn's, which move arrays through shared memory.
+
+Names are imported on first use (PEP 562), so a rank imports only what it needs: a worker
+whose function never touches NumPy does not pay for importing it.
 """
 
+from __future__ import annotations
+
+import importlib
 import multiprocessing as _multiprocessing
+from typing import TYPE_CHECKING, Any
 
-from . import context, sharing
 from ._version import __version__
-from .context import (
-    ProcessContext,
-    ProcessException,
-    ProcessExitedException,
-    ProcessRaisedException,
-    spawn,
-    start_processes,
-)
-from .context._mp import Process, get_context
-from .context._mp import default_context as _default_context
-from .sharing import (
-    get_all_sharing_strategies,
-    get_sharing_strategy,
-    set_sharing_strategy,
-)
 
-Queue = _default_context.Queue
-JoinableQueue = _default_context.JoinableQueue
-SimpleQueue = _default_context.SimpleQueue
-Pipe = _default_context.Pipe
-Pool = _default_context.Pool
+if TYPE_CHECKING:  # pragma: no cover
+    from . import context, sharing
+    from .context import (
+        ProcessContext,
+        ProcessException,
+        ProcessExitedException,
+        ProcessRaisedException,
+        spawn,
+        start_processes,
+    )
+    from .context._mp import Process, get_context
+    from .sharing import (
+        get_all_sharing_strategies,
+        get_sharing_strategy,
+        set_sharing_strategy,
+    )
+
+# public name -> (module, attribute); attribute None means the module itself
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "context": (".context", None),
+    "sharing": (".sharing", None),
+    "ProcessContext": (".context", "ProcessContext"),
+    "ProcessException": (".context", "ProcessException"),
+    "ProcessExitedException": (".context", "ProcessExitedException"),
+    "ProcessRaisedException": (".context", "ProcessRaisedException"),
+    "spawn": (".context", "spawn"),
+    "start_processes": (".context", "start_processes"),
+    "Process": (".context._mp", "Process"),
+    "get_context": (".context._mp", "get_context"),
+    "get_all_sharing_strategies": (".sharing", "get_all_sharing_strategies"),
+    "get_sharing_strategy": (".sharing", "get_sharing_strategy"),
+    "set_sharing_strategy": (".sharing", "set_sharing_strategy"),
+}
+# bound methods of procspawn's default context (multiprocessing's default start method)
+_DEFAULT_CONTEXT_METHODS = ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool")
 
 __all__ = [
     "JoinableQueue",
@@ -58,3 +79,22 @@ __all__ = [
 _MP_NAMES = [n for n in _multiprocessing.__all__ if n not in __all__ and not n.startswith("_")]
 globals().update({name: getattr(_multiprocessing, name) for name in _MP_NAMES})
 __all__ += _MP_NAMES
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name, __name__)
+        value = module if attr is None else getattr(module, attr)
+    elif name in _DEFAULT_CONTEXT_METHODS:
+        from .context._mp import default_context
+
+        value = getattr(default_context, name)
+    else:
+        raise AttributeError(f"module 'procspawn' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

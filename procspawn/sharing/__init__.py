@@ -1,35 +1,57 @@
-"""Moving data between processes: arrays through shared memory, pluggable strategies."""
+"""Moving data between processes: arrays through shared memory, pluggable strategies.
 
-from . import _reductions  # noqa: F401  (registers the ndarray reducer)
-from ._arrays import empty, is_shared, share_memory_, zeros
-from ._fdpass import FdLimitError
-from ._pickler import attach_fd, dumps, loads, received_fd, register
-from ._resources import SharedMemoryFullError
-from ._segment import Segment
-from ._strategy import (
-    SharingStrategy,
-    get_all_sharing_strategies,
-    get_sharing_strategy,
-    register_strategy,
-    set_sharing_strategy,
-)
+Names are imported on first use; NumPy is imported only with the array helpers.
+"""
 
-__all__ = [
-    "FdLimitError",
-    "Segment",
-    "attach_fd",
-    "received_fd",
-    "SharedMemoryFullError",
-    "SharingStrategy",
-    "dumps",
-    "empty",
-    "get_all_sharing_strategies",
-    "get_sharing_strategy",
-    "is_shared",
-    "loads",
-    "register",
-    "register_strategy",
-    "set_sharing_strategy",
-    "share_memory_",
-    "zeros",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._arrays import empty, is_shared, share_memory_, zeros
+    from ._fdpass import FdLimitError
+    from ._pickler import attach_fd, dumps, loads, received_fd, register
+    from ._resources import SharedMemoryFullError
+    from ._segment import Segment
+    from ._strategy import (
+        SharingStrategy,
+        get_all_sharing_strategies,
+        get_sharing_strategy,
+        register_strategy,
+        set_sharing_strategy,
+    )
+
+_LAZY = {
+    "FdLimitError": "._fdpass",
+    "Segment": "._segment",
+    "SharedMemoryFullError": "._resources",
+    "SharingStrategy": "._strategy",
+    "attach_fd": "._pickler",
+    "dumps": "._pickler",
+    "empty": "._arrays",
+    "get_all_sharing_strategies": "._strategy",
+    "get_sharing_strategy": "._strategy",
+    "is_shared": "._arrays",
+    "loads": "._pickler",
+    "received_fd": "._pickler",
+    "register": "._pickler",
+    "register_strategy": "._strategy",
+    "set_sharing_strategy": "._strategy",
+    "share_memory_": "._arrays",
+    "zeros": "._arrays",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'procspawn.sharing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

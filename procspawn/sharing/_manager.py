@@ -20,8 +20,8 @@ import sys
 import threading
 
 from . import _manager_main
+from ._strategy import MANAGER_ENV as ENV
 
-ENV = "PROCSPAWN_MANAGER"
 RECORD = _manager_main.RECORD
 
 _lock = threading.Lock()

@@ -22,6 +22,7 @@ import copyreg
 import io
 import os
 import pickle
+import sys
 import threading
 from collections import ChainMap
 from collections.abc import Callable
@@ -182,6 +183,18 @@ class _DeferredUnpickler(pickle.Unpickler):
         return self._deferred[pid]
 
 
+_numpy_ready = False
+
+
+def _register_numpy() -> None:
+    # Arrays exist only once NumPy is imported: register their reducer then, so a process
+    # that never uses NumPy never imports it.
+    global _numpy_ready
+    from . import _reductions  # noqa: F401  (registers the ndarray reducer)
+
+    _numpy_ready = True
+
+
 def dumps(obj: Any, inflight: bool = True, deferred: list[Any] | None = None) -> Message:
     """Pickle ``obj`` for another process.
 
@@ -196,6 +209,8 @@ def dumps(obj: Any, inflight: bool = True, deferred: list[Any] | None = None) ->
     Returns:
         A Message; call ``close()`` once it was sent.
     """
+    if not _numpy_ready and "numpy" in sys.modules:
+        _register_numpy()
     state = _SendState(inflight)
     previous = getattr(_local, "send", None)
     _local.send = state

@@ -8,6 +8,7 @@ otherwise), so a child that never registered it can still rebuild it.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import threading
@@ -55,17 +56,24 @@ class SharingStrategy:
 
 
 _strategies: dict[str, SharingStrategy] = {}
-_builtin: set[str] = set()
 _lock = threading.Lock()
 _current: str | None = None
 
+MANAGER_ENV = "PROCSPAWN_MANAGER"  # the cleanup daemon's address, for a tree's processes
 
-def register_strategy(name: str, strategy: SharingStrategy, *, _builtin_: bool = False) -> None:
+# Built-in strategies are imported when first used, so a process that never shares an array
+# (a rank returning a number) pays nothing for them.
+_BUILTIN: dict[str, tuple[str, str]] = {"file_system": ("._file_system", "FileSystemStrategy")}
+if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
+    _BUILTIN["file_descriptor"] = ("._file_descriptor", "FileDescriptorStrategy")
+
+
+def register_strategy(name: str, strategy: SharingStrategy) -> None:
     """Make ``strategy`` available under ``name`` (for ``set_sharing_strategy``).
 
     Raises:
         TypeError: ``strategy`` is not a SharingStrategy.
-        ValueError: ``name`` is empty or not a string.
+        ValueError: ``name`` is empty, not a string, or the name of a built-in strategy.
     """
     if not isinstance(strategy, SharingStrategy):
         raise TypeError(
@@ -74,43 +82,43 @@ def register_strategy(name: str, strategy: SharingStrategy, *, _builtin_: bool =
         )
     if not isinstance(name, str) or not name:
         raise ValueError(f"a sharing strategy needs a non-empty string name, got {name!r}")
+    if name in _BUILTIN:
+        raise ValueError(f"{name!r} is a built-in sharing strategy; pick another name")
     strategy.name = name
     with _lock:
         _strategies[name] = strategy
-        if _builtin_:
-            _builtin.add(name)
 
 
-def _load_builtins() -> None:
-    if _builtin:
-        return
-    from . import _file_system
-
-    register_strategy("file_system", _file_system.FileSystemStrategy(), _builtin_=True)
-    if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
-        from . import _file_descriptor
-
-        register_strategy(
-            "file_descriptor", _file_descriptor.FileDescriptorStrategy(), _builtin_=True
-        )
+def strategy_named(name: str) -> SharingStrategy | None:
+    """The strategy object registered as ``name`` (built-ins are made on first use)."""
+    strategy = _strategies.get(name)
+    if strategy is None and name in _BUILTIN:
+        module_name, class_name = _BUILTIN[name]
+        cls = getattr(importlib.import_module(module_name, __package__), class_name)
+        with _lock:
+            strategy = _strategies.get(name)
+            if strategy is None:
+                strategy = cls()
+                strategy.name = name
+                _strategies[name] = strategy
+    return strategy
 
 
 def get_all_sharing_strategies() -> set[str]:
     """The names of every strategy this process can use."""
-    _load_builtins()
-    return set(_strategies)
+    return set(_strategies) | set(_BUILTIN)
 
 
 def _default() -> str:
     name = os.environ.get(_ENV)
     if name:
-        if name not in _strategies:
+        if name not in get_all_sharing_strategies():
             raise ValueError(
                 f"{_ENV}={name!r} is not a sharing strategy; valid: "
-                f"{', '.join(sorted(_strategies))}"
+                f"{', '.join(sorted(get_all_sharing_strategies()))}"
             )
         return name
-    return "file_descriptor" if "file_descriptor" in _strategies else "file_system"
+    return "file_descriptor" if "file_descriptor" in _BUILTIN else "file_system"
 
 
 def get_sharing_strategy() -> str:
@@ -120,7 +128,6 @@ def get_sharing_strategy() -> str:
     environment variable ``PROCSPAWN_SHARING_STRATEGY`` overrides it.
     """
     global _current
-    _load_builtins()
     if _current is None:
         _current = _default()
     return _current
@@ -134,11 +141,9 @@ def set_sharing_strategy(name: str) -> None:
             nothing is changed.
     """
     global _current
-    _load_builtins()
-    if name not in _strategies:
-        raise ValueError(
-            f"unknown sharing strategy {name!r}; valid: {', '.join(sorted(_strategies))}"
-        )
+    valid = get_all_sharing_strategies()
+    if name not in valid:
+        raise ValueError(f"unknown sharing strategy {name!r}; valid: {', '.join(sorted(valid))}")
     _current = name
 
 
@@ -146,22 +151,24 @@ def snapshot() -> dict[str, Any]:
     """What a child needs of this process' sharing settings, whatever the start method:
     the strategy (a custom one travels along) and the cleanup daemon's address (a
     forkserver child would not inherit it through the environment)."""
-    from . import _manager
-
     name = get_sharing_strategy()
+    if name == "file_system":
+        from . import _manager
+
+        manager: str | None = _manager.ensure()
+    else:
+        manager = os.environ.get(MANAGER_ENV)
     return {
         "strategy": name,
-        "custom": None if name in _builtin else _strategies[name],
-        "manager": _manager.ensure() if name == "file_system" else os.environ.get(_manager.ENV),
+        "custom": None if name in _BUILTIN else _strategies[name],
+        "manager": manager,
     }
 
 
 def restore(settings: dict[str, Any]) -> None:
     """Adopt a parent's ``snapshot()`` in a child."""
-    from . import _manager
-
     if settings["manager"]:
-        os.environ[_manager.ENV] = settings["manager"]
+        os.environ[MANAGER_ENV] = settings["manager"]
     name, strategy = settings["strategy"], settings["custom"]
     if strategy is not None and name not in _strategies:
         register_strategy(name, strategy)
@@ -170,7 +177,9 @@ def restore(settings: dict[str, Any]) -> None:
 
 def current() -> SharingStrategy:
     """The strategy object new segments are made with."""
-    return _strategies[get_sharing_strategy()]
+    strategy = strategy_named(get_sharing_strategy())
+    assert strategy is not None
+    return strategy
 
 
 def allocate(nbytes: int) -> Segment:
@@ -187,13 +196,12 @@ def allocate(nbytes: int) -> Segment:
 def _reduce_segment(segment: Segment) -> Any:
     strategy = _strategies[segment.strategy]
     handle = strategy.reduce(segment)
-    travelling = None if segment.strategy in _builtin else strategy
+    travelling = None if segment.strategy in _BUILTIN else strategy
     return (_rebuild_segment, (segment.strategy, travelling, segment.key, handle))
 
 
 def _rebuild_segment(name: str, travelling: Any, key: Any, handle: Any) -> Segment:
-    _load_builtins()
-    strategy = _strategies.get(name)
+    strategy = strategy_named(name)
     if strategy is None:
         if travelling is None:
             raise ValueError(f"received a handle of unknown sharing strategy {name!r}")

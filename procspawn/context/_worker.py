@@ -12,8 +12,6 @@ import sys
 import traceback
 from typing import Any
 
-import cloudpickle
-
 from ..sharing import _pickler
 from ..sharing._fdpass import send_message
 from . import _posix
@@ -66,6 +64,8 @@ def _apply_config(config: dict[str, Any]) -> None:
 def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:
     text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
+        import cloudpickle
+
         exc_blob: bytes | None = cloudpickle.dumps(exc)
     except BaseException:
         exc_blob = None

@@ -34,7 +34,8 @@ _HEADER = struct.Struct("<4sQI")
 _MAGIC = b"PSPN"
 _MAX_FDS_PER_MSG = 253
 _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * array.array("i").itemsize)
-_FLAGS = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+_FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
+_CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: IntFlag arithmetic is slow on a hot path
 
 
 class FdLimitError(OSError):
@@ -68,14 +69,27 @@ class ChannelClosed(EOFError):
 
 def send_message(sock: socket.socket, data: bytes | memoryview, fds: list[int] = ()) -> None:  # type: ignore[assignment]
     """Send one message (blocking); the caller keeps ownership of ``fds``."""
-    groups = [fds[i : i + _MAX_FDS_PER_MSG] for i in range(0, len(fds), _MAX_FDS_PER_MSG)]
     header = _HEADER.pack(_MAGIC, len(data), len(fds))
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", groups[0]))] if groups else []
-    _sendmsg_all(sock, header, anc)
+    if len(fds) <= _MAX_FDS_PER_MSG:
+        # the common case: header, body and descriptors in one system call
+        anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
+        sent = sock.sendmsg([header, data], anc)
+        if sent < len(header):  # the fds went with the first byte; the rest is plain data
+            sock.sendall(header[sent:])
+            sent = len(header)
+        if sent < len(header) + len(data):
+            sock.sendall(memoryview(data)[sent - len(header) :])
+        return
+    groups = [fds[i : i + _MAX_FDS_PER_MSG] for i in range(0, len(fds), _MAX_FDS_PER_MSG)]
+    _sendmsg_all(sock, header, [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", groups[0]))])
     for group in groups[1:]:
-        _sendmsg_all(sock, b"\0", [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", group))])
+        _sendmsg_all(sock, b"\0", [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", group))])
     if len(data):
         sock.sendall(data)
+
+
+_SOL_SOCKET = socket.SOL_SOCKET
+_SCM_RIGHTS = socket.SCM_RIGHTS
 
 
 def _sendmsg_all(sock: socket.socket, chunk: bytes, anc: list) -> None:
@@ -130,7 +144,7 @@ class MessageReader:
                     fds = array.array("i")
                     fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
                     self._fds.extend(fds)
-            if flags & socket.MSG_CTRUNC:
+            if flags & _CTRUNC:
                 self._truncated = True
             if n == 0:
                 self.eof = True

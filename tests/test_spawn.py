@@ -167,3 +167,20 @@ def test_results_arrive_in_rank_order_whatever_finishes_first():
         return rank
 
     assert mp.spawn(work, nprocs=3) == [0, 1, 2]
+
+
+def test_ranks_started_from_a_thread_outlive_the_thread(start_method):
+    # the kernel's parent-death signal follows the forking *thread*: it must not be used there
+    box = {}
+
+    def starter():
+        box["ctx"] = mp.spawn(
+            sleep_then_return, args=(3.0,), nprocs=2, join=False, start_method=start_method
+        )
+        time.sleep(1.5)  # the ranks are up (and would have armed the signal) when we exit
+
+    thread = threading.Thread(target=starter)
+    thread.start()
+    thread.join()
+    assert box["ctx"].join(timeout=60) is True
+    assert box["ctx"].results == [0, 1]

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import socket
+import threading
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -123,7 +124,7 @@ def start_processes(
                         rank,
                         child_end,
                         os.getpid(),
-                        start_method != "forkserver",
+                        _parent_death_signal_is_safe(start_method),
                     ),
                     name=f"procspawn-rank-{rank}",
                     daemon=daemon,
@@ -144,6 +145,13 @@ def start_processes(
     while not context.join():
         pass
     return context.results
+
+
+def _parent_death_signal_is_safe(start_method: str) -> bool:
+    # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process:
+    # use it only when the main thread starts the ranks and is their direct parent (not
+    # under forkserver). The pidfd watchdog covers every other case.
+    return start_method != "forkserver" and threading.current_thread() is threading.main_thread()
 
 
 def spawn(

@@ -22,10 +22,10 @@ def main(
     rank: int,
     channel: socket.socket,
     parent_pid: int,
-    direct_child: bool,
+    use_death_signal: bool,
 ) -> None:
     """Entry point of every rank (the ``multiprocessing.Process`` target)."""
-    if direct_child:
+    if use_death_signal:
         _posix.set_parent_death_signal()
     _posix.watch_parent(parent_pid)
     try:

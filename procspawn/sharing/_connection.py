@@ -22,9 +22,10 @@ class Connection:
     """One end of a procspawn Pipe."""
 
     def __init__(self, sock: socket.socket, readable: bool = True, writable: bool = True):
+        self._sock: socket.socket | None = None
         if not (readable or writable):
             raise ValueError("at least one of `readable` and `writable` must be True")
-        self._sock: socket.socket | None = sock
+        self._sock = sock
         self._reader = MessageReader(sock)
         self._readable = readable
         self._writable = writable

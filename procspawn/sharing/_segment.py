@@ -16,6 +16,7 @@ inherited it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -68,8 +69,27 @@ def map_fd(fd: int, length: int, offset: int = 0) -> int:
     )
     if address is None or address == _MAP_FAILED:
         err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}{_hint(err)}")
     return int(address)
+
+
+def _hint(err: int) -> str:
+    if err != errno.ENOMEM:
+        return ""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        maps = sum(1 for _ in open("/proc/self/maps"))
+    except (OSError, ValueError):
+        return ""
+    if maps < limit - 16:
+        return " (this process is out of memory)"
+    return (
+        f" (this process holds {maps} memory mappings, the kernel's limit "
+        f"vm.max_map_count is {limit}: every live shared segment is one mapping. Keep fewer "
+        f"arrays alive, batch small arrays into one larger array, or raise the limit: "
+        f"`sysctl -w vm.max_map_count={limit * 4}`)"
+    )
 
 
 def _release(

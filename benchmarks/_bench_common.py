@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
@@ -13,6 +14,17 @@ JOIN_SECONDS = 30.0
 
 class ChildError(RuntimeError):
     """A benchmark child reported an error, died, or did not answer in time."""
+
+
+def torch_problem() -> str | None:
+    """None when ``torch.multiprocessing`` imports (it is then imported), else why not."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    try:
+        import torch.multiprocessing  # noqa: F401
+    except Exception as exc:
+        return f"torch cannot be imported: {describe(exc)}"
+    return None
 
 
 def receive(conn: Connection, proc: BaseProcess, timeout: float) -> Any:

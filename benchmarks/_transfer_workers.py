@@ -94,11 +94,9 @@ def _item_maker(
     if family == "torch":
         return _torch_maker(mode, strategy, nbytes)
     if family == "procspawn":
-        import procspawn
-
-        procspawn.set_sharing_strategy(strategy)
+        sharing = _procspawn_sharing(strategy)
         if mode == "shared":
-            array = procspawn.sharing.zeros(nbytes, np.uint8)
+            array = sharing.zeros(nbytes, np.uint8)
             array.fill(FILL)
             return lambda: array
     return np.full(nbytes, FILL, np.uint8).copy
@@ -112,6 +110,16 @@ def _shm_maker(nbytes: int, stack: ExitStack) -> Callable[[], str]:
     np.ndarray((nbytes,), np.uint8, buffer=shm.buf).fill(FILL)
     name = shm.name
     return lambda: name
+
+
+def _procspawn_sharing(strategy: str | None) -> Any:
+    """procspawn.sharing, once checked that this child inherited the parent's strategy."""
+    import procspawn
+
+    inherited = procspawn.get_sharing_strategy()
+    if inherited != strategy:
+        raise RuntimeError(f"the child uses sharing strategy {inherited!r}, not {strategy!r}")
+    return procspawn.sharing
 
 
 def _torch_maker(mode: str, strategy: str | None, nbytes: int) -> Callable[[], Any]:
@@ -196,10 +204,8 @@ def send_many(q: Any, conn: Connection, family: str, strategy: str, count: int) 
 
 def _live_maker(family: str, strategy: str) -> Callable[[], Any]:
     if family == "procspawn":
-        import procspawn
-
-        procspawn.set_sharing_strategy(strategy)
-        return lambda: procspawn.sharing.zeros(LIVE_ITEM_FLOATS, np.float32)
+        sharing = _procspawn_sharing(strategy)
+        return lambda: sharing.zeros(LIVE_ITEM_FLOATS, np.float32)
     import torch
     import torch.multiprocessing
 

@@ -18,11 +18,12 @@ methods interleaved run by run):
 
 * ``spawn+join N ranks`` -- wall time of one call that starts N trivial ranks (each
   returns its rank) and waits for all of them;
-* ``raise -> parent`` -- one rank writes ``time.time()`` to a file and raises at once; the
-  time from that stamp until the parent has the failure in hand: procspawn's and torch's
-  ``ProcessRaisedException`` caught around the call, or, for the stdlib, the process
-  sentinel becoming ready in ``multiprocessing.connection.wait`` (a plain Process does
-  not carry the exception to the parent, only its exit).
+* ``raise -> parent (1 rank)`` -- one rank writes ``time.time()`` to a file and raises at
+  once; the time from that stamp until the parent has the failure in hand: procspawn's
+  and torch's ``ProcessRaisedException`` caught around the call, or, for the stdlib, the
+  process sentinel becoming ready in ``multiprocessing.connection.wait`` (a plain
+  Process does not carry the exception to the parent, only its exit, so that column
+  includes the child's interpreter shutdown).
 
 The ratio columns are procspawn's time divided by the other's: below 1 procspawn is
 faster. Every method gets one untimed warm-up run first.
@@ -31,7 +32,6 @@ faster. Every method gets one untimed warm-up run first.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing
 import statistics
 import sys
@@ -51,7 +51,7 @@ import _bench_workers as workers  # noqa: E402
 
 RANKS = (1, 2, 4, 8)
 QUICK_RANKS = (1, 2)
-RAISE_CASE = "raise -> parent"
+RAISE_CASE = "raise -> parent (1 rank)"
 
 
 @dataclass(frozen=True)
@@ -151,12 +151,9 @@ def available_methods() -> tuple[list[Method], str | None]:
         Method("procspawn", procspawn_spawn_join, procspawn_raise_seen),
         Method("stdlib", stdlib_spawn_join, stdlib_raise_seen),
     ]
-    if importlib.util.find_spec("torch") is None:
-        return methods, "torch is not installed: the torch column is skipped"
-    try:
-        import torch.multiprocessing  # noqa: F401  (imported once, outside the timings)
-    except Exception as exc:
-        return methods, f"torch cannot be imported ({common.describe(exc)}): column skipped"
+    problem = common.torch_problem()  # imports torch once, outside the timings
+    if problem is not None:
+        return methods, f"{problem}: the torch column is skipped"
     methods.append(Method("torch", torch_spawn_join, torch_raise_seen))
     return methods, None
 

@@ -16,8 +16,9 @@ rounds, run by the same two processes. Rows:
   value through the pipe;
 * ``SharedMemory by hand``: a ``multiprocessing.shared_memory`` block made once; each
   item is its name, the consumer attaches on the first one (the zero-copy floor);
-* ``procspawn <strategy>``: ``procspawn.get_context("spawn").Queue`` under
-  ``procspawn.set_sharing_strategy(<strategy>)``;
+* ``procspawn <strategy>``: ``procspawn.get_context("spawn").Queue`` after
+  ``procspawn.set_sharing_strategy(<strategy>)`` in the parent (the children check that
+  they inherited it);
 * ``torch <strategy>``: a ``torch.multiprocessing`` Queue of uint8 tensors under
   ``torch.multiprocessing.set_sharing_strategy(<strategy>)``, when torch imports.
 
@@ -45,7 +46,6 @@ default): a process cannot map more segments than that, whatever the strategy.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing
 import statistics
 import sys
@@ -110,17 +110,6 @@ TRANSPORTS = (
 # -- what can run --------------------------------------------------------------------------
 
 
-def torch_problem() -> str | None:
-    """None when torch.multiprocessing imports, else why its rows are skipped."""
-    if importlib.util.find_spec("torch") is None:
-        return "torch is not installed"
-    try:
-        import torch.multiprocessing  # noqa: F401
-    except Exception as exc:
-        return f"torch cannot be imported: {common.describe(exc)}"
-    return None
-
-
 def procspawn_queue_problem() -> str | None:
     """None when procspawn.get_context("spawn").Queue moves a shared array as shared."""
     try:
@@ -179,9 +168,13 @@ def time_transfer(transport: Transport, nbytes: int, n: int, rounds: int) -> lis
     prod_conn, prod_end = multiprocessing.Pipe()
     cons_conn, cons_end = multiprocessing.Pipe()
     fam, mode, strategy = transport.family, transport.mode, transport.strategy
-    consumer = ctx.Process(target=workers.consume, args=(q, cons_end, fam, nbytes, n, rounds + 1))
+    consumer = ctx.Process(
+        name="consumer", target=workers.consume, args=(q, cons_end, fam, nbytes, n, rounds + 1)
+    )
     producer = ctx.Process(
-        target=workers.produce, args=(q, prod_end, fam, mode, strategy, nbytes, n, rounds + 1)
+        name="producer",
+        target=workers.produce,
+        args=(q, prod_end, fam, mode, strategy, nbytes, n, rounds + 1),
     )
     round_seconds = 60.0 + 20.0 * nbytes * n / 1e9
     try:
@@ -273,8 +266,10 @@ def hold_live(family: str, strategy: str, count: int) -> dict[str, Any]:
     q = ctx.Queue(maxsize=LIVE_QUEUE_SIZE)
     prod_conn, prod_end = multiprocessing.Pipe()
     cons_conn, cons_end = multiprocessing.Pipe()
-    consumer = ctx.Process(target=workers.hold_many, args=(q, cons_end, count))
-    producer = ctx.Process(target=workers.send_many, args=(q, prod_end, family, strategy, count))
+    consumer = ctx.Process(name="consumer", target=workers.hold_many, args=(q, cons_end, count))
+    producer = ctx.Process(
+        name="producer", target=workers.send_many, args=(q, prod_end, family, strategy, count)
+    )
     try:
         consumer.start()
         producer.start()
@@ -341,7 +336,7 @@ def main() -> None:
     args = parse_args()
     rounds = 1 if args.quick else args.repeats
     sizes = QUICK_SIZES if args.quick else SIZES
-    problems = {"torch": torch_problem(), "procspawn": procspawn_queue_problem()}
+    problems = {"torch": common.torch_problem(), "procspawn": procspawn_queue_problem()}
     small_n = QUICK_SMALL_MESSAGES if args.quick else SMALL_MESSAGES
     small = statistics.median(time_transfer(Transport("small", "unshared"), 0, small_n, rounds))
     rows = []

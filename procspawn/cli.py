@@ -2,8 +2,9 @@
 
     procspawn info [--json]              what this machine offers and what procspawn holds
     procspawn cleanup [--dry-run] [--json]
-                                         remove procspawn_* segments that no live process
-                                         maps and no live cleanup daemon records
+                                         remove this user's procspawn_* segments that no
+                                         live process maps and no live cleanup daemon
+                                         records (and that are older than 2 seconds)
 
 Exit codes: 0 success, 1 a segment could not be removed, 2 bad usage.
 """
@@ -16,10 +17,12 @@ import os
 import platform
 import resource
 import sys
+import time
 from typing import Any
 
 SHM_DIR = "/dev/shm"
 PREFIX = "procspawn_"
+_YOUNG = 2.0  # seconds: a segment this young may be between creation and registration
 
 
 def _proc_entries() -> list[int]:
@@ -98,6 +101,8 @@ def _segments() -> list[dict[str, Any]]:
             {
                 "name": name,
                 "bytes": st.st_size,
+                "uid": st.st_uid,
+                "age_seconds": round(max(0.0, time.time() - st.st_mtime), 3),
                 "owner_pid": owner,
                 "owner_alive": owner is not None and os.path.exists(f"/proc/{owner}"),
                 "mapped_by": sorted(mapped.get(name, ())),
@@ -130,12 +135,21 @@ def info() -> dict[str, Any]:
 
 
 def cleanup(dry_run: bool) -> dict[str, Any]:
+    # Files first, daemons second: a segment made after the listing is not considered, and
+    # one made before it is either mapped, recorded by its daemon by now, or abandoned.
+    segments = _segments()
     tracked: set[str] = set()
     for daemon in _daemons():
         tracked.update(daemon["names"] or ())
+    uid = os.getuid()
     freed, kept, failed = [], [], []
-    for seg in _segments():
-        if seg["mapped_by"] or seg["name"] in tracked:
+    for seg in segments:
+        if (
+            seg["uid"] != uid  # another user's: not ours to judge
+            or seg["age_seconds"] < _YOUNG  # being made right now
+            or seg["mapped_by"]
+            or seg["name"] in tracked
+        ):
             kept.append(seg)
             continue
         if not dry_run:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from _helpers import script_env
@@ -34,6 +35,8 @@ def stray():
     path = f"/dev/shm/{STRAY}"
     with open(path, "wb") as f:
         f.write(b"\0" * 4096)
+    old = time.time() - 60
+    os.utime(path, (old, old))  # left by a process that died a minute ago
     yield STRAY
     if os.path.exists(path):
         os.unlink(path)
@@ -102,3 +105,10 @@ def test_bad_usage_exits_2():
     result = _cli("frobnicate")
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+def test_cleanup_keeps_a_segment_being_made_right_now(stray):
+    os.utime(f"/dev/shm/{stray}")  # as if created a moment ago, not yet registered
+    result = json.loads(_cli("cleanup", "--json").stdout)
+    assert stray in [s["name"] for s in result["kept"]]
+    assert os.path.exists(f"/dev/shm/{stray}")

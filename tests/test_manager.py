@@ -69,23 +69,41 @@ def test_segments_of_sigkilled_ranks_are_freed_after_the_tree_exits(start_method
     assert _manager.query(address) is None  # and it exited
 
 
-def _make_and_exit(_):
-    mp.set_sharing_strategy("file_system")
-    a = sharing.zeros(1000)
-    a[0] = 1
-
-
 def test_join_returns_promptly_after_a_file_system_producer_exits():
-    # The daemon the producer starts must not hold the producer's sentinel (torch's does).
-    ctx = mp.get_context("spawn")
-    env_before = os.environ.get(_manager.ENV)
-    p = ctx.Process(target=_make_and_exit, args=(None,))
-    p.start()
-    p.join(20)
-    assert p.exitcode == 0
-    assert os.environ.get(_manager.ENV) == env_before
+    # The daemon the producer starts must hold nothing of the producer's (torch's daemon
+    # keeps its starter's sentinel, so Process.join() never returns). A fresh tree, and a
+    # daemon grace of 60 s: if the daemon held the sentinel, join(20) would time out.
+    code = textwrap.dedent(
+        """
+        import os
+        import procspawn as mp
+        from procspawn import sharing
+
+        def produce():
+            mp.set_sharing_strategy("file_system")
+            a = sharing.zeros(1000)   # starts the tree's daemon
+            a[0] = 1
+
+        if __name__ == "__main__":
+            p = mp.get_context("spawn").Process(target=produce)
+            p.start()
+            p.join(20)
+            print(p.exitcode)
+        """
+    )
+    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "60"})
+    assert result.stdout.strip() == "0", result.stderr
+    # the daemon of that tree is still waiting out its grace: stop it
+    for pid in _daemon_pids():
+        if "--grace 60" in _cmd(pid).replace("\0", " "):
+            os.kill(pid, 9)
 
 
+def _daemon_pids():
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and "_manager_main" in _cmd(e)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checking a peer of another uid needs root")
 def test_daemon_is_detached_private_and_keeps_only_valid_names():
     mp.set_sharing_strategy("file_system")
     try:

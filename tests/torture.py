@@ -10,7 +10,9 @@ or nothing. Then it checks, with every wait bounded:
 * orphan: every process of the round must be gone soon after (this harness is a child
   subreaper, so daemons and orphans are reparented here and seen);
 * leak: no ``/dev/shm/procspawn_*`` segment made by a process of the round may be left
-  once the daemon's grace period has passed.
+  once the daemon's grace period has passed;
+* failed workload: when only the daemon was killed (or nothing), the workload must still
+  succeed (exit code 0).
 
     python tests/torture.py --rounds 1000 [--seed N] [--json out.json]
 
@@ -145,11 +147,9 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
         "import sys, torture; "
         f"torture.workload({strategy!r}, {method!r}, {rng.randint(20, 60)}, {pid_dir!r})"
     )
+    log = open(os.path.join(pid_dir, "stderr"), "w+")  # noqa: SIM115 (closed below)
     parent = subprocess.Popen(
-        [sys.executable, "-c", code],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        [sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=log
     )
     result = {"strategy": strategy, "method": method, "target": target, "killed": None}
     # wait until the ranks run, then kill the target at a random moment
@@ -180,6 +180,13 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
         result["hang"] = True
         parent.kill()
         parent.wait()
+    # Killing the daemon (or nothing) must not disturb the workload: it must succeed.
+    result["failed"] = result["killed"] in ("daemon", "none", "finished first") and (
+        parent.returncode != 0
+    )
+    log.seek(0)
+    result["stderr"] = log.read()[-2000:] if result["failed"] else ""
+    log.close()
     # orphans: every descendant (reparented here) must be gone once the daemon's grace passed
     end = time.monotonic() + GRACE + 10
     while _children() and time.monotonic() < end:
@@ -214,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     kills: collections.Counter[str] = collections.Counter()
-    totals = {"rounds": 0, "leaks": 0, "orphans": 0, "hangs": 0}
+    totals = {"rounds": 0, "leaks": 0, "orphans": 0, "hangs": 0, "failed_workloads": 0}
     bad = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="procspawn-torture-") as workdir:
@@ -225,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             totals["leaks"] += r["leaks"]
             totals["orphans"] += r["orphans"]
             totals["hangs"] += int(r["hang"])
-            if r["leaks"] or r["orphans"] or r["hang"]:
+            totals["failed_workloads"] += int(r["failed"])
+            if r["leaks"] or r["orphans"] or r["hang"] or r["failed"]:
                 bad.append({"round": i, **r})
     figures = {
         "seed": seed,

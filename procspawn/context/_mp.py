@@ -42,9 +42,9 @@ class _Call:
         self.sent.append(startup)  # its descriptors must stay open until start() returns
         return startup.__reduce__()
 
-    def close(self) -> None:
+    def close(self, started: bool = True) -> None:
         for startup in self.sent:
-            startup.close()
+            startup.close() if started else startup.message.abandon()
         self.sent = []
 
 
@@ -74,11 +74,15 @@ class _ProcessMixin:
             self._target, self._args, self._kwargs = _run, (call,), {}
 
     def start(self) -> None:
+        call = self._procspawn_call
         try:
             super().start()  # type: ignore[misc]
-        finally:
-            if self._procspawn_call is not None:
-                self._procspawn_call.close()
+        except BaseException:
+            if call is not None:
+                call.close(started=False)
+            raise
+        if call is not None:
+            call.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -55,7 +55,10 @@ def watch_parent(parent_pid: int) -> None:
 
     def _watch() -> None:
         if pidfd is not None:
-            select.select([pidfd], [], [])  # a pidfd turns readable when the process exits
+            poller = select.poll()  # not select.select: it fails on descriptors >= 1024
+            poller.register(pidfd, select.POLLIN)
+            while not poller.poll():  # a pidfd turns readable when the process exits
+                pass
             _die()
         while _alive(parent_pid):
             threading.Event().wait(_POLL_INTERVAL)

@@ -93,7 +93,9 @@ class ProcessContext:
         Raises:
             ProcessRaisedException: a rank raised (its traceback is in the message).
             ProcessExitedException: a rank exited with a non-zero code or a signal.
-            KeyboardInterrupt: Ctrl-C in the parent; every rank was stopped first.
+            KeyboardInterrupt: Ctrl-C in the parent; every rank was stopped first (any
+                other exception while waiting stops them too). Later calls raise a
+                ProcessException saying so.
         """
         if self._error is not None:
             raise self._error
@@ -129,7 +131,12 @@ class ProcessContext:
             self._error = exc
             self._stop_all(grace_period)
             raise
-        except KeyboardInterrupt:
+        except BaseException as exc:  # Ctrl-C, or anything else that stops us waiting
+            self._error = ProcessException(
+                f"join() was interrupted by {type(exc).__name__}; every rank was stopped",
+                -1,
+                -1,
+            )
             self._stop_all(grace_period)
             raise
 

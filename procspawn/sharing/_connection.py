@@ -10,8 +10,8 @@ sender. A Connection pickles at process start (``DupFd``) and inside procspawn m
 from __future__ import annotations
 
 import os
-import select
 import socket
+from multiprocessing.connection import wait
 from typing import Any
 
 from . import _pickler
@@ -79,8 +79,10 @@ class Connection:
         message = _pickler.dumps(obj)
         try:
             send_message(sock, message.data, message.fds)
-        finally:
-            message.close()
+        except BaseException:
+            message.abandon()
+            raise
+        message.close()
 
     def recv(self) -> Any:
         """Receive an object sent with ``send`` (blocks). EOFError when the other end closed."""
@@ -119,8 +121,8 @@ class Connection:
         sock = self._check(reading=True)
         if self._reader.ready:
             return True
-        readable, _, _ = select.select([sock], [], [], timeout)
-        return bool(readable)
+        # wait() polls (select.select fails on descriptor numbers >= 1024)
+        return bool(wait([sock], timeout))
 
     # -- pickling ----------------------------------------------------------------------
 
@@ -135,6 +137,18 @@ class Connection:
         from multiprocessing.reduction import DupFd
 
         return (_rebuild_from_dupfd, (DupFd(sock.fileno()), self._readable, self._writable))
+
+
+class _OwnedFd:
+    """A descriptor closed when the last message holding it lets go."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        os.close(self.fd)
 
 
 def _from_fd(fd: int, readable: bool, writable: bool) -> Connection:

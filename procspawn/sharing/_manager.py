@@ -2,29 +2,39 @@
 
 Every process that makes or maps a named segment tells the daemon of its process tree:
 ``register`` before the segment's file exists (so a name is recorded before anyone could
-leak it), ``unregister`` once the last reference unlinked it. Both are one 64-byte send on
-a connection kept open for the life of the process: no round trip on the hot path.
+leak it), and ``released(unlinked=True)`` once the last reference unlinked it. Each is one
+64-byte send on a connection kept open for the life of the process: no round trip on the
+hot path.
 
-The daemon's address (an abstract UNIX socket name) is put in ``PROCSPAWN_MANAGER`` when the
-daemon starts, so children started later share it; a process with no daemon (or whose
-daemon is gone) starts a new one and re-registers every name it holds.
+One daemon per tree: the tree's address (an abstract UNIX socket name) is chosen by its
+first process and handed to every child (``PROCSPAWN_MANAGER``), whether or not a daemon
+runs yet. Whoever needs the daemon first binds that address and starts it; binding is
+atomic, so a process that loses the race just connects. If the daemon dies, every client
+notices at once (its connection reads EOF), the first to bind the same address starts a
+new one, and each registers again the names it holds.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import secrets
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 from . import _manager_main
-from ._strategy import MANAGER_ENV as ENV
+from ._strategy import MANAGER_ENV, tree_address
+
+ENV = MANAGER_ENV
 
 RECORD = _manager_main.RECORD
+_SEND_TIMEOUT = 10.0
 
-_lock = threading.Lock()
+# Reentrant: released() runs from segment finalizers, which the garbage collector may call
+# on a thread that is inside _send already.
+_lock = threading.RLock()
 _conn: socket.socket | None = None
 _held: set[str] = set()
 
@@ -40,15 +50,20 @@ def _connect(address: str) -> socket.socket | None:
     except OSError:
         sock.close()
         return None
+    sock.settimeout(_SEND_TIMEOUT)
     return sock
 
 
-def _start_daemon() -> socket.socket:
-    """Start a daemon for this process and the children it starts from now on."""
-    address = f"procspawn-{os.getuid()}-{secrets.token_hex(8)}"
+def _start_daemon(address: str) -> socket.socket | None:
+    """Bind ``address`` and start the daemon on it; None if another process bound it."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind("\0" + address)
+        try:
+            listener.bind("\0" + address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return None
+            raise
         listener.listen(128)
         conn = _connect(address)  # queued until the daemon accepts: no start-up race
         if conn is None:
@@ -77,18 +92,26 @@ def _start_daemon() -> socket.socket:
         except BaseException:
             conn.close()
             raise
+        return conn
     finally:
         listener.close()
-    os.environ[ENV] = address
-    return conn
+
+
+def _connect_or_start(address: str) -> socket.socket:
+    for _ in range(200):
+        conn = _connect(address) or _start_daemon(address)
+        if conn is not None:
+            return conn
+        time.sleep(0.01)  # another process bound the address and is starting the daemon
+    raise OSError(f"no cleanup daemon answers at @{address} and none could be started")
 
 
 def ensure() -> str:
-    """Connect to this tree's daemon (starting one if needed); returns its address."""
+    """Connect to this tree's daemon (starting it if needed); returns its address."""
     with _lock:
         if _conn is None:
             _send(b"")
-        return os.environ[ENV]
+        return tree_address()
 
 
 def _send(record: bytes) -> None:
@@ -96,15 +119,13 @@ def _send(record: bytes) -> None:
     global _conn
     if _conn is not None:
         try:
-            _conn.sendall(record)
+            if record:
+                _conn.sendall(record)
             return
         except OSError:
             _conn.close()
             _conn = None
-    address = os.environ.get(ENV)
-    conn = _connect(address) if address else None
-    if conn is None:
-        conn = _start_daemon()
+    conn = _connect_or_start(tree_address())
     _conn = conn
     for name in _held:
         conn.sendall(_record(b"R", name))
@@ -116,13 +137,17 @@ def _send(record: bytes) -> None:
 
 
 def _watch(conn: socket.socket) -> None:
-    """The daemon never writes: EOF means it died. Start a new one at once and hand it
-    every name this process holds, so a later crash of ours still gets cleaned up."""
+    """The daemon never writes: EOF means it died. Reconnect at once (starting a new one)
+    and hand it every name this process holds, so a later crash of ours is still cleaned."""
     global _conn
-    try:
-        conn.recv(1)
-    except OSError:
-        pass
+    while True:
+        try:
+            conn.recv(1)
+            break
+        except TimeoutError:
+            continue  # the socket has a send timeout; waiting here has none
+        except OSError:
+            break
     with _lock:
         if _conn is not conn:
             return  # closed or replaced by this process itself
@@ -155,7 +180,8 @@ def released(name: str, unlinked: bool) -> None:
 
 
 def query(address: str, timeout: float = 5.0) -> list[str] | None:
-    """The names a live daemon records, or None if nothing answers at ``address``."""
+    """The names a live daemon records; None if nothing answers at ``address`` or the
+    daemon refuses us (another user's)."""
     conn = _connect(address)
     if conn is None:
         return None
@@ -168,7 +194,10 @@ def query(address: str, timeout: float = 5.0) -> list[str] | None:
                 chunks.append(chunk)
         except OSError:
             return None
-    return b"".join(chunks).decode("ascii").split()
+    words = b"".join(chunks).decode("ascii").split()
+    if not words or words[-1] != ".":
+        return None  # a daemon always ends its answer with "."; silence is a refusal
+    return words[:-1]
 
 
 def _after_fork_in_child() -> None:
@@ -178,7 +207,7 @@ def _after_fork_in_child() -> None:
     if conn is not None:
         conn.close()
     _held.clear()
-    _lock = threading.Lock()
+    _lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

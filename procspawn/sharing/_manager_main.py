@@ -15,7 +15,7 @@ hands it over as descriptor N, so clients can connect before the daemon runs.
 
 A record is a byte ``R`` or ``U`` and the name, NUL-padded to 64 bytes. One more record,
 ``L``, asks for the recorded names (``procspawn info`` / ``cleanup``): the daemon answers
-with them, one per line, and closes that connection. Names that are not
+with them, one per line, then a line ``.``, and closes that connection. Names that are not
 ``procspawn_<pid>_<16 hex digits>`` are ignored, so the daemon can only ever delete the
 kind of name procspawn creates, and only in /dev/shm.
 """
@@ -59,7 +59,7 @@ def _answer(sock: socket.socket, names: set[bytes]) -> None:
     try:
         sock.setblocking(True)
         sock.settimeout(5.0)
-        sock.sendall(b"".join(name + b"\n" for name in sorted(names)))
+        sock.sendall(b"".join(name + b"\n" for name in sorted(names)) + b".\n")
     except OSError:
         pass
 

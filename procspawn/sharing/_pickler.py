@@ -46,28 +46,46 @@ class Message:
     which the message holds until ``close()``: no descriptor is duplicated to send it.
     """
 
-    __slots__ = ("data", "fds", "keepalive", "inflight")
+    __slots__ = ("data", "fds", "keepalive", "inflight", "on_abandon")
 
-    def __init__(self, data: bytes, fds: list[int], keepalive: list[Any], inflight: bool):
+    def __init__(
+        self,
+        data: bytes,
+        fds: list[int],
+        keepalive: list[Any],
+        inflight: bool,
+        on_abandon: list[Callable[[], Any]] | None = None,
+    ):
         self.data = data
         self.fds = fds
         self.keepalive = keepalive
         self.inflight = inflight
+        self.on_abandon = on_abandon or []
 
     def close(self) -> None:
         """Let go of what the message kept alive (after it was sent or handed over)."""
         self.fds = []
         self.keepalive = []
+        self.on_abandon = []
+
+    def abandon(self) -> None:
+        """The message will never be received: give back what it holds for its receiver
+        (the in-flight references of file_system segments), then close it."""
+        callbacks, self.on_abandon = self.on_abandon, []
+        for callback in callbacks:
+            callback()
+        self.close()
 
 
 class _SendState:
-    __slots__ = ("fds", "fd_index", "keepalive", "inflight")
+    __slots__ = ("fds", "fd_index", "keepalive", "inflight", "on_abandon")
 
     def __init__(self, inflight: bool) -> None:
         self.fds: list[int] = []
         self.fd_index: dict[int, int] = {}
         self.keepalive: list[Any] = []
         self.inflight = inflight
+        self.on_abandon: list[Callable[[], Any]] = []  # undo what reducers took
 
     def add_fd(self, fd: int, owner: Any) -> int:
         """Send ``fd`` (once per message) with the message; ``owner`` keeps it open until
@@ -277,9 +295,13 @@ def dumps(obj: Any, inflight: bool = True, deferred: list[Any] | None = None) ->
             _cloud_picklers()[0](buf).dump(obj)
         else:
             _cloud_picklers()[1](buf, deferred).dump(obj)
+    except BaseException:
+        for callback in state.on_abandon:
+            callback()
+        raise
     finally:
         _local.send = previous
-    return Message(buf.getvalue(), state.fds, state.keepalive, inflight)
+    return Message(buf.getvalue(), state.fds, state.keepalive, inflight, state.on_abandon)
 
 
 def loads(

@@ -22,6 +22,7 @@ from typing import Any
 
 from . import _pickler
 from ._connection import Pipe
+from ._fdpass import FdLimitError
 
 _SENTINEL = object()
 
@@ -105,7 +106,7 @@ class Queue:
             raise ValueError(f"Queue {self!r} is closed")
         if block and timeout is None:
             with self._rlock:
-                data, fds = self._reader.recv_message()
+                data, fds = self._receive()
         else:
             deadline = time.monotonic() + (timeout or 0.0)
             if not self._rlock.acquire(block, timeout):
@@ -114,11 +115,21 @@ class Queue:
                 remaining = max(0.0, deadline - time.monotonic()) if block else 0.0
                 if not self._reader.poll(remaining):
                     raise Empty
-                data, fds = self._reader.recv_message()
+                data, fds = self._receive()
             finally:
                 self._rlock.release()
-        self._sem.release()
         return _pickler.loads(data, fds)
+
+    def _receive(self) -> tuple[bytes, list[int]]:
+        """One message off the pipe; its slot is given back even if receiving it failed
+        (FdLimitError consumes the whole message)."""
+        try:
+            message = self._reader.recv_message()
+        except FdLimitError:
+            self._sem.release()
+            raise
+        self._sem.release()
+        return message
 
     def put_nowait(self, obj: Any) -> None:
         self.put(obj, False)
@@ -207,14 +218,14 @@ class Queue:
                     writer.close()
                     for rest in items[items.index(item) + 1 :]:
                         if rest is not _SENTINEL:
-                            rest.close()
+                            rest.abandon()
                     return
                 try:
                     with wlock:
                         writer.send_message(item)
                 except OSError:
-                    pass  # the reading end is gone: nobody will get it (as multiprocessing)
-                finally:
+                    item.abandon()  # the reading end is gone: nobody will get it
+                else:
                     item.close()
 
 
@@ -288,8 +299,10 @@ class SimpleQueue:
         try:
             with self._wlock:
                 self._writer.send_message(message)
-        finally:
-            message.close()
+        except BaseException:
+            message.abandon()
+            raise
+        message.close()
 
 
 _pickler._extra_deferred.extend([Queue, SimpleQueue])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import secrets
 import sys
 import threading
 from typing import Any
@@ -147,21 +148,31 @@ def set_sharing_strategy(name: str) -> None:
     _current = name
 
 
+def tree_address() -> str:
+    """The address of this process tree's cleanup daemon: inherited from the parent, or
+    chosen here for this process and its children (no daemon starts until one is needed)."""
+    address = os.environ.get(MANAGER_ENV)
+    if not address:
+        address = f"procspawn-{os.getuid()}-{secrets.token_hex(8)}"
+        os.environ[MANAGER_ENV] = address
+    return address
+
+
 def snapshot() -> dict[str, Any]:
     """What a child needs of this process' sharing settings, whatever the start method:
-    the strategy (a custom one travels along) and the cleanup daemon's address (a
+    the strategy (a custom one travels along) and the tree's cleanup-daemon address (a
     forkserver child would not inherit it through the environment)."""
     name = get_sharing_strategy()
     if name == "file_system":
+        # A parent that shares this way stays a client of the tree's daemon while its
+        # children run, so what they leave in flight outlives them.
         from . import _manager
 
-        manager: str | None = _manager.ensure()
-    else:
-        manager = os.environ.get(MANAGER_ENV)
+        _manager.ensure()
     return {
         "strategy": name,
         "custom": None if name in _BUILTIN else _strategies[name],
-        "manager": manager,
+        "manager": tree_address(),
     }
 
 

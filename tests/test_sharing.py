@@ -545,4 +545,4 @@ def test_ranks_of_one_tree_share_one_daemon(start_method):
     )
     result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[(200000.0, 0.0), None]"
+    assert result.stdout.strip() == "[(100000.0, 0.0), None]"

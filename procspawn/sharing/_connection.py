@@ -129,11 +129,11 @@ class Connection:
     def __reduce__(self):
         sock = self._check()
         state = getattr(_pickler._local, "send", None)
-        if state is not None:  # inside a procspawn message: the fd rides along
-            return (
-                _rebuild_from_message,
-                (state.add_fd(sock.fileno()), self._readable, self._writable),
-            )
+        if state is not None:  # inside a procspawn message: a duplicate rides along, so
+            # closing this Connection before the message is sent changes nothing
+            dup = _OwnedFd(os.dup(sock.fileno()))
+            index = state.add_fd(dup.fd, dup)
+            return (_rebuild_from_message, (index, self._readable, self._writable))
         from multiprocessing.reduction import DupFd
 
         return (_rebuild_from_dupfd, (DupFd(sock.fileno()), self._readable, self._writable))

@@ -546,3 +546,17 @@ def test_ranks_of_one_tree_share_one_daemon(start_method):
     result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[(100000.0, 0.0), None]"
+
+
+def test_get_with_timeout_does_not_hang_on_a_half_sent_message():
+    # a writer SIGKILLed in the middle of a message leaves half of it in the pipe
+    import struct
+
+    q = mp.Queue()
+    q._writer._sock.sendall(struct.pack("<4sQI", b"PSPN", 1000, 0) + b"x" * 10)
+    with pytest.raises(queue_mod.Empty):
+        q.get(timeout=0.3)
+    with pytest.raises(queue_mod.Empty):
+        q.get_nowait()
+    q.close()
+    q.join_thread()

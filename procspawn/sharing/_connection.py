@@ -94,10 +94,13 @@ class Connection:
         """Send an already pickled message (the caller closes it)."""
         send_message(self._check(writing=True), message.data, message.fds)
 
-    def recv_message(self) -> tuple[bytes, list[int]]:
-        """Receive one raw message: (pickle bytes, descriptors owned by the caller)."""
+    def recv_message(self, deadline: float | None = None) -> tuple[bytes, list[int]]:
+        """Receive one raw message: (pickle bytes, descriptors owned by the caller).
+
+        TimeoutError if ``deadline`` (``time.monotonic()``) passes first.
+        """
         self._check(reading=True)
-        return recv_message(self._reader)
+        return recv_message(self._reader, deadline)
 
     # -- bytes -------------------------------------------------------------------------
 

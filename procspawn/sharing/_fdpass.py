@@ -29,6 +29,8 @@ import os
 import resource
 import socket
 import struct
+import time
+from multiprocessing.connection import wait
 
 _HEADER = struct.Struct("<4sQI")
 _MAGIC = b"PSPN"
@@ -198,8 +200,17 @@ class MessageReader:
         self._fds = []
 
 
-def recv_message(reader: MessageReader) -> tuple[bytes, list[int]]:
-    """Block until one whole message arrives on the reader's (blocking) socket."""
-    while not reader.feed():
-        pass
-    return reader.pop()
+def recv_message(reader: MessageReader, deadline: float | None = None) -> tuple[bytes, list[int]]:
+    """Wait for one whole message on the reader's (blocking) socket.
+
+    With a ``deadline`` (``time.monotonic()`` seconds) raise TimeoutError when it passes,
+    even in the middle of a message (a writer that died mid-send must not hang us); the
+    reader keeps what it has, so a later call goes on where this one stopped.
+    """
+    while True:
+        if deadline is not None and not reader.ready:
+            remaining = max(0.0, deadline - time.monotonic())
+            if not wait([reader.sock], remaining):
+                raise TimeoutError("no whole message arrived in time")
+        if reader.feed():
+            return reader.pop()

@@ -112,19 +112,21 @@ class Queue:
             if not self._rlock.acquire(block, timeout):
                 raise Empty
             try:
-                remaining = max(0.0, deadline - time.monotonic()) if block else 0.0
-                if not self._reader.poll(remaining):
-                    raise Empty
-                data, fds = self._receive()
+                if not block:
+                    deadline = time.monotonic()
+                data, fds = self._receive(deadline)
+            except TimeoutError:
+                raise Empty from None
             finally:
                 self._rlock.release()
         return _pickler.loads(data, fds)
 
-    def _receive(self) -> tuple[bytes, list[int]]:
+    def _receive(self, deadline: float | None = None) -> tuple[bytes, list[int]]:
         """One message off the pipe; its slot is given back even if receiving it failed
-        (FdLimitError consumes the whole message)."""
+        (FdLimitError consumes the whole message). TimeoutError once ``deadline`` passed,
+        even mid-message: a writer killed mid-send must not hang every reader."""
         try:
-            message = self._reader.recv_message()
+            message = self._reader.recv_message(deadline)
         except FdLimitError:
             self._sem.release()
             raise

@@ -125,11 +125,6 @@ class MessageReader:
         """True when a whole message waits to be popped."""
         return self._done is not None
 
-    @property
-    def in_progress(self) -> bool:
-        """True when part of a message has been read."""
-        return self._part != "header" or self._pos > 0
-
     def feed(self) -> bool:
         """Read once. Returns True when a whole message is ready (see ``pop``).
 

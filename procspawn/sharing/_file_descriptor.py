@@ -56,12 +56,12 @@ class FileDescriptorStrategy(SharingStrategy):
         return _segment(fd, nbytes, (st.st_dev, st.st_ino))
 
     def reduce(self, segment: Segment) -> Any:
-        return (_pickler.sending().add_fd(segment.fd, segment), segment.size)
+        # the key travels too: the receiver needs no fstat to know the segment
+        return (_pickler.sending().add_fd(segment.fd, segment), segment.size, segment.key)
 
     def rebuild(self, handle: Any) -> Segment:
         raise_fd_limit()
-        index, size = handle
+        index, size, key = handle
         with _fd_limit("a received shared-memory segment could not be kept open"):
             fd = os.dup(_pickler.receiving()[index])
-        st = os.fstat(fd)
-        return _segment(fd, size, (st.st_dev, st.st_ino))
+        return _segment(fd, size, key)

@@ -100,25 +100,33 @@ def _sendmsg_all(sock: socket.socket, chunk: bytes, anc: list) -> None:
         sock.sendall(chunk[sent:])
 
 
+_FAST_BODY = 1 << 16  # bodies up to this size are read into bytes in one call
+
+
 class MessageReader:
     """Reassembles messages from a stream socket, one part at a time.
 
-    ``feed()`` does at most one ``recvmsg``; it works on blocking and non-blocking sockets.
+    ``feed()`` reads only what the current message still needs (never into the next
+    one: several processes may read one Queue's socket, each under the queue's lock).
+    It works on blocking and non-blocking sockets; a whole small message usually takes
+    two calls to the kernel, the header (with the descriptors) and the body.
     """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.eof = False
+        self._header = bytearray(_HEADER.size)
+        self._done: tuple[bytes, list[int]] | None = None
         self._reset()
 
     def _reset(self) -> None:
         self._part = "header"
-        self._buf = bytearray(_HEADER.size)
+        self._buf = self._header
         self._pos = 0
         self._nfds = 0
+        self._length = 0
         self._fds: list[int] = []
         self._truncated = False
-        self._done: tuple[bytes, list[int]] | None = None
 
     @property
     def ready(self) -> bool:
@@ -126,30 +134,33 @@ class MessageReader:
         return self._done is not None
 
     def feed(self) -> bool:
-        """Read once. Returns True when a whole message is ready (see ``pop``).
+        """Read once (or twice: header, then a body already there). Returns True when a
+        whole message is ready (see ``pop``).
 
         Raises ``ChannelClosed`` at end of stream and ``BlockingIOError`` if a non-blocking
         socket has nothing.
         """
         if self._done is not None:
             return True
-        view = memoryview(self._buf)[self._pos :]
-        if len(view):
-            n, anc, flags, _ = self.sock.recvmsg_into([view], _ANC_SPACE, _FLAGS)
-            for level, kind, cdata in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
-                    self._fds.extend(fds)
-            if flags & _CTRUNC:
-                self._truncated = True
-            if n == 0:
-                self.eof = True
-                raise ChannelClosed("channel closed by the other end")
-            self._pos += n
+        if self._pos < len(self._buf):
+            self._read_into(memoryview(self._buf)[self._pos :])
             if self._pos < len(self._buf):
                 return False
         return self._advance()
+
+    def _read_into(self, view: memoryview) -> None:
+        n, anc, flags, _ = self.sock.recvmsg_into([view], _ANC_SPACE, _FLAGS)
+        for level, kind, cdata in anc:
+            if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+                self._fds.extend(fds)
+        if flags & _CTRUNC:
+            self._truncated = True
+        if n == 0:
+            self.eof = True
+            raise ChannelClosed("channel closed by the other end")
+        self._pos += n
 
     def _advance(self) -> bool:
         if self._part == "header":
@@ -159,6 +170,17 @@ class MessageReader:
             self._nfds = nfds
             self._length = length
             npads = max(0, (nfds + _MAX_FDS_PER_MSG - 1) // _MAX_FDS_PER_MSG - 1)
+            if not npads and length <= _FAST_BODY:
+                # the body was sent with the header: usually it is all there already
+                try:
+                    body = self.sock.recv(length, socket.MSG_DONTWAIT) if length else b""
+                except (BlockingIOError, InterruptedError):
+                    body = b""
+                if len(body) == length:
+                    return self._finish(body)
+                self._part, self._buf, self._pos = "body", bytearray(length), len(body)
+                self._buf[: len(body)] = body
+                return False
             self._part, self._buf, self._pos = "pads", bytearray(npads), 0
             if npads:
                 return False
@@ -167,7 +189,9 @@ class MessageReader:
             if self._length:
                 return False
         # body complete
-        data = bytes(self._buf) if len(self._buf) < 1 << 16 else self._buf
+        return self._finish(bytes(self._buf) if len(self._buf) < _FAST_BODY else self._buf)
+
+    def _finish(self, data: bytes | bytearray) -> bool:
         fds = self._fds
         if self._truncated or len(fds) != self._nfds:
             wanted = self._nfds

@@ -35,8 +35,12 @@ _local = threading.local()
 
 def register(type_: type, reducer: Callable[[Any], Any]) -> None:
     """Make procspawn pickle every exact instance of ``type_`` with ``reducer(obj)``."""
+    global _plain_types_overridden, _reducers_version
     _reducers[type_] = reducer
     _PlainPickler.dispatch_table = _dispatch()
+    _reducers_version += 1  # a Pickler reads its dispatch table when it is made
+    plain_types = (*_PLAIN_LEAVES, *_PLAIN_CONTAINERS, dict)
+    _plain_types_overridden = any(t in _reducers for t in plain_types)
 
 
 class Message:
@@ -78,7 +82,7 @@ class Message:
 
 
 class _SendState:
-    __slots__ = ("fds", "fd_index", "keepalive", "inflight", "on_abandon")
+    __slots__ = ("fds", "fd_index", "keepalive", "inflight", "on_abandon", "memo")
 
     def __init__(self, inflight: bool) -> None:
         self.fds: list[int] = []
@@ -86,6 +90,8 @@ class _SendState:
         self.keepalive: list[Any] = []
         self.inflight = inflight
         self.on_abandon: list[Callable[[], Any]] = []  # undo what reducers took
+        # for reducers: what they made once per message (a segment's handle)
+        self.memo: dict[Any, Any] = {}
 
     def add_fd(self, fd: int, owner: Any) -> int:
         """Send ``fd`` (once per message) with the message; ``owner`` keeps it open until
@@ -119,16 +125,29 @@ def received_fd(index: int) -> int:
     return receiving()[index]
 
 
-def receiving() -> list[int]:
-    """The descriptors of the message being unpickled on this thread (borrowed: ``loads``
-    closes them all afterwards, so a rebuilder that keeps one must ``os.dup`` it)."""
-    fds = getattr(_local, "recv", None)
-    if fds is None:
+class _RecvState:
+    __slots__ = ("fds", "memo")
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+        self.memo: dict[Any, Any] = {}  # for rebuilders: what they made once per message
+
+
+def received() -> _RecvState:
+    """The message being unpickled on this thread (only valid inside a rebuild function)."""
+    state = getattr(_local, "recv", None)
+    if state is None:
         raise RuntimeError(
             "a procspawn shared-memory handle can only be unpickled by procspawn's "
             "loads() (it was pickled by procspawn and read back by another unpickler)"
         )
-    return fds
+    return state
+
+
+def receiving() -> list[int]:
+    """The descriptors of the message being unpickled on this thread (borrowed: ``loads``
+    closes them all afterwards, so a rebuilder that keeps one must ``os.dup`` it)."""
+    return received().fds
 
 
 def _dispatch() -> dict[type, Callable[[Any], Any]]:
@@ -142,23 +161,51 @@ class _PlainPickler(pickle.Pickler):
     dispatch_table = _dispatch()
 
 
+_reducers_version = 0
+
+
+def _plain_dumps(obj: Any) -> bytes:
+    """``obj`` pickled by this thread's _PlainPickler, made once and reused (making one
+    costs more than pickling a handle)."""
+    cached = getattr(_local, "plain", None)
+    if cached is None or cached[2] != _reducers_version:
+        buf = io.BytesIO()
+        cached = (_PlainPickler(buf, pickle.HIGHEST_PROTOCOL), buf, _reducers_version)
+    pickler, buf, _ = cached
+    _local.plain = None  # in use: a dumps nested in a reducer makes its own
+    pickler.dump(obj)
+    data = buf.getvalue()
+    pickler.clear_memo()
+    buf.seek(0)
+    buf.truncate()
+    _local.plain = cached  # not reused after an error: back only when all went well
+    return data
+
+
 _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _PLAIN_CONTAINERS = (tuple, list, set, frozenset)
 _PLAIN_LIMIT = 10_000
+_plain_types_overridden = False
 
 
-def _is_plain(obj: Any) -> bool:
-    """True for plain data (numbers, strings, bytes, NumPy arrays of those, in tuples,
-    lists, sets and dicts): what the C pickler moves as well as cloudpickle, only faster,
-    and without importing cloudpickle in a process that sends nothing else."""
+_NOT_PLAIN, _PLAIN, _PLAIN_WITH_ARRAYS = 0, 1, 2
+
+
+def _is_plain(obj: Any) -> int:
+    """Plain data (numbers, strings, bytes, NumPy arrays of those, in tuples, lists, sets
+    and dicts) is what the C pickler moves as well as cloudpickle, only faster, and
+    without importing cloudpickle in a process that sends nothing else. Returns
+    ``_NOT_PLAIN``, ``_PLAIN`` (no array: stdlib pickle as it is) or
+    ``_PLAIN_WITH_ARRAYS`` (needs procspawn's reducers)."""
     np = sys.modules.get("numpy")
     stack = [obj]
     seen = 0
+    kind = _PLAIN
     while stack:
         item = stack.pop()
         seen += 1
         if seen > _PLAIN_LIMIT:
-            return False
+            return _NOT_PLAIN
         t = type(item)
         if t in _PLAIN_LEAVES:
             continue
@@ -167,12 +214,18 @@ def _is_plain(obj: Any) -> bool:
         elif t is dict:
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif np is not None and (t is np.ndarray or isinstance(item, np.generic)):
+        elif np is not None and t is np.ndarray:
             if item.dtype.hasobject:
-                return False
+                return _NOT_PLAIN
+            kind = _PLAIN_WITH_ARRAYS
+        elif np is not None and isinstance(item, np.generic):
+            if item.dtype.hasobject:
+                return _NOT_PLAIN
         else:
-            return False
-    return True
+            return _NOT_PLAIN
+    if _plain_types_overridden:
+        return _PLAIN_WITH_ARRAYS  # a reducer registered for a plain type must run
+    return kind
 
 
 _cloud: tuple[type, type] | None = None
@@ -284,24 +337,29 @@ def dumps(obj: Any, inflight: bool = True, deferred: list[Any] | None = None) ->
     """
     if not _numpy_ready and "numpy" in sys.modules:
         _register_numpy()
+    kind = _is_plain(obj) if deferred is None else _NOT_PLAIN
+    if kind == _PLAIN:  # nothing to share, nothing to reduce: the stdlib pickle as it is
+        return Message(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), [], [], inflight)
     state = _SendState(inflight)
     previous = getattr(_local, "send", None)
     _local.send = state
-    buf = io.BytesIO()
     try:
-        if deferred is None and _is_plain(obj):
-            _PlainPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
-        elif deferred is None:
-            _cloud_picklers()[0](buf).dump(obj)
+        if kind == _PLAIN_WITH_ARRAYS:
+            data = _plain_dumps(obj)
         else:
-            _cloud_picklers()[1](buf, deferred).dump(obj)
+            buf = io.BytesIO()
+            if deferred is None:
+                _cloud_picklers()[0](buf).dump(obj)
+            else:
+                _cloud_picklers()[1](buf, deferred).dump(obj)
+            data = buf.getvalue()
     except BaseException:
         for callback in state.on_abandon:
             callback()
         raise
     finally:
         _local.send = previous
-    return Message(buf.getvalue(), state.fds, state.keepalive, inflight, state.on_abandon)
+    return Message(data, state.fds, state.keepalive, inflight, state.on_abandon)
 
 
 def loads(
@@ -311,7 +369,7 @@ def loads(
 ) -> Any:
     """Unpickle a message; closes every descriptor in ``fds`` before returning."""
     previous = getattr(_local, "recv", None)
-    _local.recv = fds
+    _local.recv = _RecvState(fds)
     try:
         if deferred is None:
             return pickle.loads(data)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import weakref
 from typing import Any, Literal
 
 import numpy as np
@@ -39,22 +40,50 @@ def _reduce_ndarray(array: np.ndarray) -> Any:
     segment, offset = found
     return (
         _rebuild_ndarray,
-        (segment, offset, array.shape, array.strides, array.dtype, array.flags.writeable),
+        (
+            _strategy.segment_handle(segment),
+            offset,
+            array.shape,
+            array.strides,
+            _dtype_code(array.dtype),
+            array.flags.writeable,
+        ),
     )
 
 
+def _dtype_code(dtype: np.dtype) -> str | np.dtype:
+    """``dtype.str`` when it names the dtype exactly (numbers, bools, dates, strings: a
+    few bytes, fast to read back), else the dtype itself (structured, subarray, metadata,
+    user-defined)."""
+    if dtype.metadata is None and (dtype.isbuiltin == 1 or dtype.kind in "MmSU"):
+        return dtype.str
+    return dtype
+
+
 def _rebuild_ndarray(
-    segment: Segment,
+    handle: Any,
     offset: int,
     shape: tuple[int, ...],
     strides: tuple[int, ...],
-    dtype: np.dtype,
+    dtype: str | np.dtype,
     writeable: bool,
 ) -> np.ndarray:
-    array = np.ndarray(shape, dtype, buffer=np.asarray(segment), offset=offset, strides=strides)
+    segment = _strategy.segment_from_handle(handle)
+    array = np.ndarray(shape, dtype, buffer=bytes_of(segment), offset=offset, strides=strides)
     if not writeable:
         array.flags.writeable = False
     return array
+
+
+def bytes_of(segment: Segment) -> np.ndarray:
+    """A uint8 array over all of ``segment`` whose ``.base`` is the segment; the same one
+    for as long as any array built on it lives (it is held weakly)."""
+    ref = segment.view
+    view = ref() if ref is not None else None
+    if view is None:
+        view = np.asarray(segment)
+        segment.view = weakref.ref(view)
+    return view
 
 
 def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C") -> np.ndarray:
@@ -63,7 +92,7 @@ def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C"
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     segment = _strategy.allocate(nbytes)
-    return np.ndarray(shape, dtype, buffer=np.asarray(segment), order=order)
+    return np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
 
 
 def copy_to_segment(array: np.ndarray) -> np.ndarray:

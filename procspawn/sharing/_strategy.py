@@ -204,11 +204,32 @@ def allocate(nbytes: int) -> Segment:
 # -- segments on the wire ------------------------------------------------------------------
 
 
+def segment_handle(segment: Segment) -> tuple[str, Any, Any, Any]:
+    """The wire handle of ``segment`` in the message being pickled:
+    ``(strategy name, strategy object if not built in, key, the strategy's handle)``.
+    The strategy reduces a segment once per message, however many arrays lie in it."""
+    memo = _pickler.sending().memo
+    handle = memo.get((segment.strategy, segment.key))
+    if handle is None:
+        strategy = _strategies[segment.strategy]
+        travelling = None if segment.strategy in _BUILTIN else strategy
+        handle = (segment.strategy, travelling, segment.key, strategy.reduce(segment))
+        memo[(segment.strategy, segment.key)] = handle
+    return handle
+
+
+def segment_from_handle(handle: tuple[str, Any, Any, Any]) -> Segment:
+    """The Segment of this process for a received handle (rebuilt once per message)."""
+    memo = _pickler.received().memo
+    segment = memo.get((handle[0], handle[2]))
+    if segment is None:
+        segment = _rebuild_segment(*handle)
+        memo[(handle[0], handle[2])] = segment
+    return segment
+
+
 def _reduce_segment(segment: Segment) -> Any:
-    strategy = _strategies[segment.strategy]
-    handle = strategy.reduce(segment)
-    travelling = None if segment.strategy in _BUILTIN else strategy
-    return (_rebuild_segment, (segment.strategy, travelling, segment.key, handle))
+    return (segment_from_handle, (segment_handle(segment),))
 
 
 def _rebuild_segment(name: str, travelling: Any, key: Any, handle: Any) -> Segment:

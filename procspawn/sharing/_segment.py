@@ -248,7 +248,7 @@ def _data_pointer_reader() -> Callable[[Any], int] | None:
                 return None
     except Exception:
         return None
-    return lambda array: read(id(array) + offset).value  # type: ignore[no-any-return]
+    return lambda array: read(id(array) + offset).value or 0
 
 
 _data_pointer: Callable[[Any], int] | None = None

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._fdpass import FdLimitError
     from ._pickler import attach_fd, dumps, loads, received_fd, register
     from ._resources import SharedMemoryFullError
-    from ._segment import Segment
+    from ._segment import Segment, release_unused
     from ._strategy import (
         SharingStrategy,
         get_all_sharing_strategies,
@@ -38,6 +38,7 @@ _LAZY = {
     "received_fd": "._pickler",
     "register": "._pickler",
     "register_strategy": "._strategy",
+    "release_unused": "._segment",
     "set_sharing_strategy": "._strategy",
     "share_memory_": "._arrays",
     "zeros": "._arrays",

@@ -32,6 +32,8 @@ import struct
 import time
 from multiprocessing.connection import wait
 
+from ._resources import raise_fd_limit
+
 _HEADER = struct.Struct("<4sQI")
 _MAGIC = b"PSPN"
 _MAX_FDS_PER_MSG = 253
@@ -113,6 +115,7 @@ class MessageReader:
     """
 
     def __init__(self, sock: socket.socket) -> None:
+        raise_fd_limit()  # descriptors arrive with messages: lift the soft limit first
         self.sock = sock
         self.eof = False
         self._header = bytearray(_HEADER.size)

@@ -18,7 +18,7 @@ from typing import Any
 from . import _pickler
 from ._fdpass import FdLimitError
 from ._resources import raise_fd_limit, reserve
-from ._segment import Segment
+from ._segment import Segment, reuse_mapping
 from ._strategy import SharingStrategy
 
 
@@ -32,9 +32,9 @@ def _fd_limit(what: str) -> Iterator[None]:
         raise
 
 
-def _segment(fd: int, size: int, key: Any) -> Segment:
+def _segment(fd: int, size: int, key: Any, reuse: bool = False) -> Segment:
     try:
-        return Segment.map(fd, size, strategy="file_descriptor", key=key, keep_fd=True)
+        return Segment.map(fd, size, strategy="file_descriptor", key=key, keep_fd=True, reuse=reuse)
     except BaseException:
         os.close(fd)
         raise
@@ -60,8 +60,10 @@ class FileDescriptorStrategy(SharingStrategy):
         return (_pickler.sending().add_fd(segment.fd, segment), segment.size, segment.key)
 
     def rebuild(self, handle: Any) -> Segment:
-        raise_fd_limit()
         index, size, key = handle
-        with _fd_limit("a received shared-memory segment could not be kept open"):
-            fd = os.dup(_pickler.receiving()[index])
-        return _segment(fd, size, key)
+        # still mapped from an earlier message? then the received duplicate is not needed
+        # (loads() closes it)
+        segment = reuse_mapping("file_descriptor", key, size)
+        if segment is None:
+            segment = _segment(_pickler.take_fd(index), size, key, reuse=True)
+        return segment

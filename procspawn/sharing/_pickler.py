@@ -144,6 +144,17 @@ def received() -> _RecvState:
     return state
 
 
+def take_fd(index: int) -> int:
+    """Descriptor ``index`` of the message being unpickled, now owned by the caller
+    (``loads`` will not close it)."""
+    fds = received().fds
+    fd = fds[index]
+    if fd < 0:
+        raise RuntimeError(f"descriptor {index} of this message was already taken")
+    fds[index] = -1
+    return fd
+
+
 def receiving() -> list[int]:
     """The descriptors of the message being unpickled on this thread (borrowed: ``loads``
     closes them all afterwards, so a rebuilder that keeps one must ``os.dup`` it)."""
@@ -377,4 +388,5 @@ def loads(
     finally:
         _local.recv = previous
         for fd in fds:
-            os.close(fd)
+            if fd >= 0:  # not taken by a rebuild function
+                os.close(fd)

@@ -15,6 +15,7 @@ inherited it.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import mmap
@@ -105,6 +106,21 @@ def _release(
         on_release()
 
 
+# Segments without an ``on_release`` (nothing to do at exit: the kernel unmaps and closes)
+# are released by a plain weak-reference callback, much cheaper than a util.Finalize;
+# ``_pending`` keeps those weak references alive with their release arguments.
+_pending: dict[weakref.ref[Any], tuple[Any, ...]] = {}
+
+
+def _collected(ref: weakref.ref[Any], pending: dict[Any, Any] = _pending) -> None:
+    # ``pending`` is bound now: at interpreter exit module globals may already be gone
+    entry = pending.pop(ref, None)
+    if entry is not None:
+        args, reuse_key, size = entry
+        if reuse_key is None or not _keep_mapped(reuse_key, size, args):
+            _release(*args)
+
+
 class Segment:
     """One mapped shared-memory region made by a sharing strategy.
 
@@ -125,6 +141,7 @@ class Segment:
         "fd",
         "name",
         "view",
+        "__array_interface__",
         "_finalizer",
         "__weakref__",
     )
@@ -141,6 +158,7 @@ class Segment:
         fd: int = -1,
         name: str | None = None,
         on_release: Callable[[], Any] | None = None,
+        reuse: bool = False,
     ) -> None:
         self.address = address
         self.size = size
@@ -149,12 +167,19 @@ class Segment:
         self.fd = fd
         self.name = name
         self.view: Any = None  # a weak reference to a uint8 array over it (see _reductions)
-        self._finalizer = util.Finalize(
-            self,
-            _release,
-            args=(os.getpid(), map_address, map_length, fd, on_release),
-            exitpriority=-100,
-        )
+        # np.asarray(segment): a uint8 array over the usable bytes whose .base is the segment
+        self.__array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+        args = (os.getpid(), map_address, map_length, fd, on_release)
+        if on_release is None:
+            self._finalizer: Any = weakref.ref(self, _collected)
+            _pending[self._finalizer] = (args, (strategy, key) if reuse else None, size)
+        else:  # also released at exit: on_release may have to tell other processes
+            self._finalizer = util.Finalize(self, _release, args=args, exitpriority=-100)
 
     @classmethod
     def map(
@@ -167,12 +192,16 @@ class Segment:
         header: int = 0,
         keep_fd: bool = False,
         on_release: Callable[[], Any] | None = None,
+        reuse: bool = False,
     ) -> Segment:
         """Map ``header + size`` bytes of ``fd`` shared; the usable bytes start after ``header``.
 
         With ``keep_fd`` the Segment owns ``fd`` and closes it on release; otherwise the
         caller may close ``fd`` at once (the mapping needs no descriptor). ``on_release``
-        runs once when the Segment is released in the process that made it.
+        runs once when the Segment is released in the process that made it. With
+        ``reuse`` (a received segment that owns its descriptor and has no
+        ``on_release``), a released Segment stays mapped for a while: see
+        :func:`reuse_mapping`.
         """
         length = max(header + size, 1)
         address = map_fd(fd, length)
@@ -185,25 +214,108 @@ class Segment:
             map_length=length,
             fd=fd if keep_fd else -1,
             on_release=on_release,
+            reuse=reuse,
         )
-
-    @property
-    def __array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.size,),
-            "typestr": "|u1",
-            "data": (self.address, False),
-            "version": 3,
-        }
 
     def __repr__(self) -> str:
         return f"<procspawn Segment {self.strategy} key={self.key!r} size={self.size}>"
 
 
-# -- the receiver's cache: one Segment per (strategy, key) per process ---------------------
+# -- received segments kept mapped after their last array is gone -------------------------
+#
+# A consumer that gets arrays from a pool of shared buffers drops each one before the next
+# arrives: without this, every message would map its segment again and unmap it at once
+# (two system calls, a page fault and a Segment: most of the cost of a message). So a
+# received segment that owns its descriptor (file_descriptor) is not unmapped when its
+# last array goes, but kept: at most _KEEP_COUNT segments and PROCSPAWN_KEEP_MAPPED_BYTES
+# bytes (default 64 MiB; 0 turns this off), oldest out first. Nothing is named, so keeping
+# one only delays its free; release_unused() lets go of them all.
 
-_cache: weakref.WeakValueDictionary[tuple[str, Any], Segment] = weakref.WeakValueDictionary()
+KEEP_ENV = "PROCSPAWN_KEEP_MAPPED_BYTES"
+_KEEP_COUNT = 32
+_kept: collections.OrderedDict[tuple[str, Any], tuple[int, tuple[Any, ...]]] = (
+    collections.OrderedDict()
+)
+_kept_bytes = 0
+_kept_lock = threading.RLock()  # a release may run from the garbage collector, anywhere
+
+
+def _keep_budget() -> int:
+    return int(os.environ.get(KEEP_ENV, 64 << 20))
+
+
+def _keep_mapped(key: tuple[str, Any], size: int, args: tuple[Any, ...]) -> bool:
+    """Keep a released segment mapped for reuse; False if it does not fit (release it)."""
+    global _kept_bytes
+    pid, _, length, _, _ = args
+    budget = _keep_budget()
+    if pid != os.getpid() or length > budget or _exiting:
+        return False
+    evicted = []
+    with _kept_lock:
+        old = _kept.pop(key, None)
+        if old is not None:  # cannot happen (one Segment per key), but never leak one
+            evicted.append(old[1])
+            _kept_bytes -= old[1][2]
+        _kept[key] = (size, args)
+        _kept_bytes += length
+        while len(_kept) > _KEEP_COUNT or _kept_bytes > budget:
+            _, (_, oldest) = _kept.popitem(last=False)
+            _kept_bytes -= oldest[2]
+            evicted.append(oldest)
+    for old_args in evicted:
+        _release(*old_args)
+    return True
+
+
+def reuse_mapping(strategy: str, key: Any, size: int) -> Segment | None:
+    """A new Segment over a kept mapping of ``key`` (it owns the kept descriptor), or None."""
+    global _kept_bytes
+    with _kept_lock:
+        entry = _kept.pop((strategy, key), None)
+        if entry is not None:
+            _kept_bytes -= entry[1][2]
+    if entry is None:
+        return None
+    kept_size, args = entry
+    _, address, length, fd, _ = args
+    if kept_size != size:
+        _release(*args)
+        return None
+    return Segment(
+        address=address,
+        size=size,
+        strategy=strategy,
+        key=key,
+        map_address=address,
+        map_length=length,
+        fd=fd,
+        reuse=True,
+    )
+
+
+def release_unused() -> int:
+    """Unmap the received segments this process keeps mapped for reuse (no array uses
+    them) and close their descriptors. Returns how many there were."""
+    global _kept_bytes
+    with _kept_lock:
+        entries = list(_kept.values())
+        _kept.clear()
+        _kept_bytes = 0
+    for _, args in entries:
+        _release(*args)
+    return len(entries)
+
+
+# -- the receiver's cache: one Segment per (strategy, key) per process ---------------------
+#
+# Weak references without callbacks: a dead entry is replaced by the next remember() of
+# its key and costs nothing meanwhile but a few bytes (cheaper than a WeakValueDictionary,
+# whose every entry carries a callback).
+
+_cache: dict[tuple[str, Any], weakref.ref[Segment]] = {}
 _cache_lock = threading.Lock()
+_CACHE_SWEEP = 4096  # drop dead entries when the cache grows past twice its live size
 
 
 def cache_lock() -> threading.Lock:
@@ -212,19 +324,32 @@ def cache_lock() -> threading.Lock:
 
 def cached(strategy: str, key: Any) -> Segment | None:
     """The live Segment of this process for ``key`` (call with ``cache_lock()`` held)."""
-    return _cache.get((strategy, key))
+    ref = _cache.get((strategy, key))
+    return ref() if ref is not None else None
 
 
 def remember(segment: Segment) -> None:
     """Make ``segment`` the one this process uses for its key (with ``cache_lock()`` held)."""
-    _cache[(segment.strategy, segment.key)] = segment
+    global _sweep_at
+    _cache[(segment.strategy, segment.key)] = weakref.ref(segment)
+    if len(_cache) >= _sweep_at:
+        for key in [key for key, ref in _cache.items() if ref() is None]:
+            del _cache[key]
+        _sweep_at = max(_CACHE_SWEEP, 2 * len(_cache))
+
+
+_sweep_at = _CACHE_SWEEP
 
 
 def _reset_after_fork() -> None:
     # The child did not take references of its own to the parent's segments; it maps anew.
-    global _cache, _cache_lock
-    _cache = weakref.WeakValueDictionary()
+    global _cache, _cache_lock, _sweep_at, _kept, _kept_bytes, _kept_lock
+    _cache = {}
     _cache_lock = threading.Lock()
+    _sweep_at = _CACHE_SWEEP
+    _kept = collections.OrderedDict()  # the parent's to release, as its live segments
+    _kept_bytes = 0
+    _kept_lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -560,3 +560,82 @@ def test_get_with_timeout_does_not_hang_on_a_half_sent_message():
         q.get_nowait()
     q.close()
     q.join_thread()
+
+
+# -- received segments kept mapped for reuse (file_descriptor) ---------------------------
+
+
+def _send_rounds(q, count, rounds):
+    arrays = [sharing.zeros(4096, np.uint8) for _ in range(count)]
+    for i, a in enumerate(arrays):
+        a[:] = i
+    for _ in range(rounds):
+        for a in arrays:
+            q.put(a)
+    q.close()
+    q.join_thread()
+
+
+def _receive_dropping(count, rounds, monkeypatch):
+    """Start a producer of ``count`` shared arrays sent ``rounds`` times; get each and drop
+    it before the next. Returns (first bytes seen, how many times a segment was mapped)."""
+    from procspawn.sharing import _segment
+
+    maps = []
+    real_map_fd = _segment.map_fd
+    monkeypatch.setattr(_segment, "map_fd", lambda *a: maps.append(a) or real_map_fd(*a))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_send_rounds, args=(q, count, rounds))
+    p.start()
+    seen = []
+    for _ in range(count * rounds):
+        x = q.get(timeout=30)
+        seen.append(int(x[-1]))
+        del x
+    p.join(60)
+    assert p.exitcode == 0
+    q.close()
+    q.join_thread()
+    return seen, len(maps)
+
+
+def test_a_dropped_segment_stays_mapped_for_the_next_message(monkeypatch):
+    from procspawn.sharing import _segment
+
+    sharing.release_unused()
+    before = len(os.listdir("/proc/self/fd"))
+    seen, maps = _receive_dropping(1, 20, monkeypatch)
+    assert seen == [0] * 20
+    assert maps == 1  # mapped once, then reused: no mmap/munmap per message
+    assert len(_segment._kept) == 1
+    assert len(os.listdir("/proc/self/fd")) == before + 1  # its memfd, kept with it
+    assert sharing.release_unused() == 1
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert sharing.release_unused() == 0
+
+
+def test_segments_kept_mapped_are_bounded_by_bytes_and_count(monkeypatch):
+    from procspawn.sharing import _segment
+
+    sharing.release_unused()
+    monkeypatch.setenv(_segment.KEEP_ENV, str(3 * 4096))
+    seen, maps = _receive_dropping(10, 1, monkeypatch)
+    assert seen == list(range(10))
+    assert len(_segment._kept) == 3 and _segment._kept_bytes == 3 * 4096
+    sharing.release_unused()
+    monkeypatch.delenv(_segment.KEEP_ENV)
+    _receive_dropping(_segment._KEEP_COUNT + 8, 1, monkeypatch)
+    assert len(_segment._kept) == _segment._KEEP_COUNT
+    sharing.release_unused()
+    assert not _segment._kept and _segment._kept_bytes == 0
+
+
+def test_keeping_segments_mapped_can_be_turned_off(monkeypatch):
+    from procspawn.sharing import _segment
+
+    sharing.release_unused()
+    monkeypatch.setenv(_segment.KEEP_ENV, "0")
+    seen, maps = _receive_dropping(1, 5, monkeypatch)
+    assert seen == [0] * 5 and maps == 5
+    assert not _segment._kept

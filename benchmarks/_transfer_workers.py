@@ -83,6 +83,55 @@ def consume(q: Any, conn: Connection, family: str, nbytes: int, n: int, rounds: 
         conn.send(("error", _describe(exc)))
 
 
+def produce_paced(
+    q: Any,
+    conn: Connection,
+    ack: Connection,
+    family: str,
+    strategy: str | None,
+    nbytes: int,
+    n: int,
+) -> None:
+    """On "go", put ``n`` shared items one at a time, each once the consumer acknowledged
+    the one before on ``ack``; report the ``time.monotonic()`` of every put."""
+    try:
+        with ExitStack() as stack:
+            make_item = _item_maker(family, "shared", strategy, nbytes, stack)
+            conn.send(("ready", None))
+            conn.recv()
+            starts = []
+            for _ in range(n):
+                item = make_item()
+                starts.append(time.monotonic())
+                q.put(item)
+                ack.recv()
+            conn.send(("starts", starts))
+            conn.recv()
+    except Exception as exc:
+        conn.send(("error", _describe(exc)))
+
+
+def consume_paced(
+    q: Any, conn: Connection, ack: Connection, family: str, nbytes: int, n: int
+) -> None:
+    """Get ``n`` items, note the ``time.monotonic()`` each one was in hand (checked), drop
+    it, acknowledge it on ``ack``; report the times."""
+    try:
+        with ExitStack() as stack:
+            resolve = _shm_resolver(nbytes, stack) if family == "shm" else _as_is
+            conn.send(("ready", None))
+            ends = []
+            for _ in range(n):
+                item = resolve(q.get(timeout=GET_TIMEOUT_SECONDS))
+                _check(item, family, nbytes)
+                ends.append(time.monotonic())
+                del item
+                ack.send(None)
+            conn.send(("ends", ends))
+    except Exception as exc:
+        conn.send(("error", _describe(exc)))
+
+
 def _item_maker(
     family: str, mode: str, strategy: str | None, nbytes: int, stack: ExitStack
 ) -> Callable[[], Any]:

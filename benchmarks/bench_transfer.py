@@ -33,6 +33,15 @@ file_descriptor row of the same mode ("unshared" for memcpy and the stdlib Queue
 "shared" for SharedMemory); "x small msg" = time / one tiny int through a stdlib Queue.
 Below 1 is faster.
 
+One item at a time. The rows above keep the Queue full: they time throughput, and a
+transport that moves items in parallel with its Python work (the stdlib's feeder thread)
+looks as cheap as its slowest stage. ``paced`` rows put one shared item, wait until the
+consumer has it (an acknowledgement on a stdlib Pipe), then put the next: each item's
+latency runs from just before its ``put`` to just after its ``get`` returned and it was
+checked (both ``time.monotonic()``, one clock for every process), median of N = 300 (the
+first 30 not counted). Rows: the tiny int, SharedMemory by hand and the shared rows of
+procspawn and torch, at 4 KiB and 64 MiB.
+
 Many live arrays. A consumer lowers RLIMIT_NOFILE to (1024, 1024), then receives and
 keeps 10,000 and 100,000 shared arrays of 64 float32 (the producer makes each one with
 ``procspawn.sharing.zeros`` / ``torch.zeros(64).share_memory_()``, puts it into a
@@ -40,7 +49,8 @@ bounded Queue and drops it). The table tells whether all were held, how many wer
 before the failure, and the error. Note the kernel's vm.max_map_count (65530 by
 default): a process cannot map more segments than that, whatever the strategy.
 
-``--quick`` runs 4 KiB and 1 MiB, 1 round, and 2,000 live arrays (a smoke test).
+``--quick`` runs 4 KiB and 1 MiB, 1 round, paced 4 KiB with N = 100, and 2,000 live
+arrays (a smoke test).
 """
 
 from __future__ import annotations
@@ -72,6 +82,9 @@ SIZES = (
 QUICK_SIZES = SIZES[:2]
 SMALL_MESSAGES = 1000
 QUICK_SMALL_MESSAGES = 200
+PACED_SIZES = (("4 KiB", 4 << 10), ("64 MiB", 64 << 20))
+PACED_N, PACED_WARMUP = 300, 30
+QUICK_PACED_N = 100
 LIVE_COUNTS = (10_000, 100_000)
 QUICK_LIVE_COUNTS = (2_000,)
 LIVE_QUEUE_SIZE = 256
@@ -257,6 +270,92 @@ def latency_table(rows: list[dict[str, Any]], small_seconds: float) -> str:
     return common.markdown_table(headers, lines)
 
 
+# -- one item at a time ----------------------------------------------------------------------
+
+PACED_TRANSPORTS = (
+    Transport("small", "shared"),
+    Transport("shm", "shared"),
+    *(Transport(f, "shared", s) for f in ("procspawn", "torch") for s in STRATEGIES),
+)
+
+
+def time_paced(transport: Transport, nbytes: int, n: int) -> list[float]:
+    """Seconds from put to get of each item after the warm-up, one item in flight."""
+    ctx = context_for(transport)
+    q = ctx.Queue()
+    prod_conn, prod_end = multiprocessing.Pipe()
+    cons_conn, cons_end = multiprocessing.Pipe()
+    ack_recv, ack_send = multiprocessing.Pipe(duplex=False)
+    fam, strategy = transport.family, transport.strategy
+    consumer = ctx.Process(
+        name="consumer", target=workers.consume_paced, args=(q, cons_end, ack_send, fam, nbytes, n)
+    )
+    producer = ctx.Process(
+        name="producer",
+        target=workers.produce_paced,
+        args=(q, prod_end, ack_recv, fam, strategy, nbytes, n),
+    )
+    try:
+        consumer.start()
+        producer.start()
+        common.receive(cons_conn, consumer, STARTUP_SECONDS)
+        common.receive(prod_conn, producer, STARTUP_SECONDS)
+        prod_conn.send("go")
+        ends = common.receive(cons_conn, consumer, 60.0 + n * 0.1)
+        starts = common.receive(prod_conn, producer, 60.0)
+        prod_conn.send("done")
+        skip = min(PACED_WARMUP, n // 10)
+        return [end - start for start, end in zip(starts[skip:], ends[skip:], strict=True)]
+    finally:
+        common.finish([producer, consumer])
+        for conn in (prod_conn, prod_end, cons_conn, cons_end, ack_recv, ack_send):
+            conn.close()
+
+
+def measure_paced(
+    sizes: tuple[tuple[str, int], ...], n: int, problems: dict[str, str | None]
+) -> list[dict[str, Any]]:
+    rows = []
+    for size, nbytes in sizes:
+        for transport in PACED_TRANSPORTS:
+            nb = 0 if transport.family == "small" else nbytes
+            problem = problems.get(transport.family)
+            if problem is None:
+                try:
+                    samples: list[float] | str = time_paced(transport, nb, n)
+                except Exception as exc:
+                    samples = common.describe(exc)
+            else:
+                samples = problem
+            rows.append(latency_row(size, nb, transport, samples))
+            print(f"  paced {size:>8}  {transport.label}: done", file=sys.stderr)
+    return rows
+
+
+def paced_table(rows: list[dict[str, Any]]) -> str:
+    small = {r["size"]: r["seconds"] for r in rows if r["transport"] == "small msg"}
+    torch_fd = {
+        r["size"]: r["seconds"] for r in rows if r["transport"].startswith("torch file_desc")
+    }
+    headers = ["size", "transport", "ms/item", "x torch fd", "x small msg"]
+    lines = []
+    for row in rows:
+        seconds = row["seconds"]
+        if seconds is None:
+            lines.append([row["size"], row["transport"], f"n/a: {row['error']}", "", ""])
+            continue
+        lines.append(
+            [
+                row["size"],
+                row["transport"],
+                f"{seconds * 1e3:.3f}",
+                common.ratio(seconds, torch_fd.get(row["size"])),
+                common.ratio(seconds, small.get(row["size"])),
+            ]
+        )
+    return common.markdown_table(headers, lines)
+
+
 # -- many live arrays ----------------------------------------------------------------------
 
 
@@ -342,17 +441,30 @@ def main() -> None:
     rows = []
     for size, nbytes, n in sizes:
         rows += measure_size(size, nbytes, n, rounds, problems)
+    paced = measure_paced(
+        PACED_SIZES[:1] if args.quick else PACED_SIZES,
+        QUICK_PACED_N if args.quick else PACED_N,
+        problems,
+    )
     live = measure_live(QUICK_LIVE_COUNTS if args.quick else LIVE_COUNTS, problems)
 
     print(f"## transfer latency (median of {rounds} round(s))\n")
     print(f"small stdlib Queue message: {small * 1e3:.3f} ms/item\n")
     print(latency_table(rows, small))
+    print("\n## one item at a time (paced: median latency from put to get)\n")
+    print(paced_table(paced))
     print(f"\n## many live arrays (consumer RLIMIT_NOFILE = {workers.LIVE_FD_LIMIT})\n")
     print(live_table(live))
     if args.json:
         common.write_json(
             args.json,
-            {"rounds": rounds, "small_message_seconds": small, "latency": rows, "live": live},
+            {
+                "rounds": rounds,
+                "small_message_seconds": small,
+                "latency": rows,
+                "paced": paced,
+                "live": live,
+            },
         )
 
 

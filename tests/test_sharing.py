@@ -639,3 +639,36 @@ def test_keeping_segments_mapped_can_be_turned_off(monkeypatch):
     seen, maps = _receive_dropping(1, 5, monkeypatch)
     assert seen == [0] * 5 and maps == 5
     assert not _segment._kept
+
+
+def test_put_sends_itself_in_order_and_hands_a_full_socket_to_the_feeder(monkeypatch, strategy):
+    from procspawn.sharing import _queues
+
+    partial = []
+
+    class CountingRest(_queues._Rest):
+        def __init__(self, message, sent):
+            partial.append(sent)
+            super().__init__(message, sent)
+
+    monkeypatch.setattr(_queues, "_Rest", CountingRest)
+    q = mp.get_context("spawn").Queue()
+    items = []
+    for i in range(64):
+        if i % 3:
+            items.append(bytes([i]) * 60_000)
+        else:
+            shared = sharing.zeros(10)
+            shared[:] = i
+            items.append(shared)
+    for item in items:  # nobody reads yet: the socket fills up part way
+        q.put(item)
+    assert partial, "no put found the socket full mid-message"
+    for i, expected in enumerate(items):
+        got = q.get(timeout=30)
+        if i % 3:
+            assert got == expected
+        else:
+            assert sharing.is_shared(got) and got.tolist() == [float(i)] * 10
+    q.close()
+    q.join_thread()

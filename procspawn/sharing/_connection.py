@@ -15,7 +15,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from . import _pickler
-from ._fdpass import MessageReader, recv_message, send_message
+from ._fdpass import MessageReader, recv_message, send_message, send_rest, try_send_message
 
 
 class Connection:
@@ -93,6 +93,14 @@ class Connection:
     def send_message(self, message: _pickler.Message) -> None:
         """Send an already pickled message (the caller closes it)."""
         send_message(self._check(writing=True), message.data, message.fds)
+
+    def try_send_message(self, message: _pickler.Message) -> int:
+        """Send without blocking; how many bytes went (see ``_fdpass.try_send_message``)."""
+        return try_send_message(self._check(writing=True), message.data, message.fds)
+
+    def send_rest(self, message: _pickler.Message, sent: int) -> None:
+        """Finish (blocking) a message ``try_send_message`` sent ``sent`` bytes of."""
+        send_rest(self._check(writing=True), message.data, len(message.fds), sent)
 
     def recv_message(self, deadline: float | None = None) -> tuple[bytes, list[int]]:
         """Receive one raw message: (pickle bytes, descriptors owned by the caller).

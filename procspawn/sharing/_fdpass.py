@@ -73,23 +73,48 @@ class ChannelClosed(EOFError):
 
 def send_message(sock: socket.socket, data: bytes | memoryview, fds: list[int] = ()) -> None:  # type: ignore[assignment]
     """Send one message (blocking); the caller keeps ownership of ``fds``."""
-    header = _HEADER.pack(_MAGIC, len(data), len(fds))
     if len(fds) <= _MAX_FDS_PER_MSG:
         # the common case: header, body and descriptors in one system call
+        header = _HEADER.pack(_MAGIC, len(data), len(fds))
         anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
-        sent = sock.sendmsg([header, data], anc)
-        if sent < len(header):  # the fds went with the first byte; the rest is plain data
-            sock.sendall(header[sent:])
-            sent = len(header)
-        if sent < len(header) + len(data):
-            sock.sendall(memoryview(data)[sent - len(header) :])
+        send_rest(sock, data, len(fds), sock.sendmsg([header, data], anc))
         return
+    header = _HEADER.pack(_MAGIC, len(data), len(fds))
     groups = [fds[i : i + _MAX_FDS_PER_MSG] for i in range(0, len(fds), _MAX_FDS_PER_MSG)]
     _sendmsg_all(sock, header, [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", groups[0]))])
     for group in groups[1:]:
         _sendmsg_all(sock, b"\0", [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", group))])
     if len(data):
         sock.sendall(data)
+
+
+def try_send_message(sock: socket.socket, data: bytes, fds: list[int]) -> int:
+    """Send one message of at most 253 descriptors without blocking.
+
+    Returns how many of its bytes (header included) went: 0 when the socket is full (then
+    nothing went, descriptors neither), all of them, or part (the descriptors went with
+    the first byte): finish it with ``send_rest`` before anything else is sent.
+    """
+    header = _HEADER.pack(_MAGIC, len(data), len(fds))
+    anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
+    try:
+        return sock.sendmsg([header, data], anc, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return 0
+
+
+def send_rest(sock: socket.socket, data: bytes | memoryview, nfds: int, sent: int) -> None:
+    """Send (blocking) what is left of a message of which ``sent`` bytes went already."""
+    if sent < _HEADER.size:  # the fds went with the first byte; the rest is plain data
+        sock.sendall(_HEADER.pack(_MAGIC, len(data), nfds)[sent:])
+        sent = _HEADER.size
+    if sent < _HEADER.size + len(data):
+        sock.sendall(memoryview(data)[sent - _HEADER.size :])
+
+
+def message_size(data: bytes | memoryview) -> int:
+    """The bytes a message of ``data`` takes on the wire (at most 253 descriptors)."""
+    return _HEADER.size + len(data)
 
 
 _SOL_SOCKET = socket.SOL_SOCKET

@@ -22,9 +22,22 @@ from typing import Any
 
 from . import _pickler
 from ._connection import Pipe
-from ._fdpass import FdLimitError
+from ._fdpass import FdLimitError, message_size
 
 _SENTINEL = object()
+_DIRECT_BYTES = 1 << 16  # put() itself may send messages up to this size (see _send_now)
+_DIRECT_FDS = 253
+
+
+class _Rest:
+    """What ``put`` could not send without blocking of a message it began: the feeder
+    sends it, then releases the write lock ``put`` took."""
+
+    __slots__ = ("message", "sent")
+
+    def __init__(self, message: _pickler.Message, sent: int) -> None:
+        self.message = message
+        self.sent = sent
 
 
 class Queue:
@@ -72,6 +85,7 @@ class Queue:
     def _reset(self) -> None:
         self._notempty = threading.Condition(threading.Lock())
         self._buffer: collections.deque[Any] = collections.deque()
+        self._pending = [0]  # messages handed to the feeder and not yet sent
         self._thread: threading.Thread | None = None
         self._jointhread: Finalize | None = None
         self._joincancelled = False
@@ -91,14 +105,47 @@ class Queue:
         except BaseException:
             self._sem.release()
             raise
-        self._enqueue(message)
+        self._count_task()
+        if not self._send_now(message):
+            with self._notempty:
+                self._enqueue_locked(message)
 
-    def _enqueue(self, message: _pickler.Message) -> None:
+    def _count_task(self) -> None:
+        """A new item is about to become visible (JoinableQueue counts it)."""
+
+    def _send_now(self, message: _pickler.Message) -> bool:
+        """Send ``message`` from this thread when that cannot block and keeps the order:
+        nothing of this process waits for the feeder, no other process is writing, and
+        the socket takes at least its first byte at once (the feeder sends the rest).
+        Saves the hand-over to the feeder thread. False: not sent, nothing changed."""
+        if len(message.data) > _DIRECT_BYTES or len(message.fds) > _DIRECT_FDS:
+            return False
         with self._notempty:
-            if self._thread is None:
-                self._start_thread()
-            self._buffer.append(message)
-            self._notempty.notify()
+            if self._pending[0] or not self._wlock.acquire(False):
+                return False
+            try:
+                sent = self._writer.try_send_message(message)
+            except OSError:
+                self._wlock.release()
+                message.abandon()  # the reading end is gone: nobody will get it
+                return True
+            if sent == 0:
+                self._wlock.release()
+                return False
+            if sent < message_size(message.data):
+                self._enqueue_locked(_Rest(message, sent))  # keeps the write lock
+                return True
+            self._wlock.release()
+        message.close()
+        return True
+
+    def _enqueue_locked(self, item: Any) -> None:
+        # with self._notempty held
+        if self._thread is None:
+            self._start_thread()
+        self._buffer.append(item)
+        self._pending[0] += 1
+        self._notempty.notify()
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """Remove and return an item; ``queue.Empty`` after ``timeout`` seconds."""
@@ -177,7 +224,7 @@ class Queue:
         self._buffer.clear()
         self._thread = threading.Thread(
             target=Queue._feed,
-            args=(self._buffer, self._notempty, self._writer, self._wlock),
+            args=(self._buffer, self._notempty, self._writer, self._wlock, self._pending),
             name="procspawn-QueueFeederThread",
             daemon=True,
         )
@@ -207,7 +254,11 @@ class Queue:
 
     @staticmethod
     def _feed(
-        buffer: collections.deque[Any], notempty: threading.Condition, writer: Any, wlock: Any
+        buffer: collections.deque[Any],
+        notempty: threading.Condition,
+        writer: Any,
+        wlock: Any,
+        pending: list[int],
     ) -> None:
         while True:
             with notempty:
@@ -219,16 +270,32 @@ class Queue:
                 if item is _SENTINEL:
                     writer.close()
                     for rest in items[items.index(item) + 1 :]:
+                        if type(rest) is _Rest:  # a put() racing close(): give all back
+                            wlock.release()
+                            rest = rest.message
                         if rest is not _SENTINEL:
                             rest.abandon()
                     return
-                try:
-                    with wlock:
-                        writer.send_message(item)
-                except OSError:
-                    item.abandon()  # the reading end is gone: nobody will get it
+                if type(item) is _Rest:
+                    message = item.message
+                    try:
+                        writer.send_rest(message, item.sent)
+                    except OSError:
+                        message.abandon()
+                    else:
+                        message.close()
+                    finally:
+                        wlock.release()  # taken by put() when it began the message
                 else:
-                    item.close()
+                    try:
+                        with wlock:
+                            writer.send_message(item)
+                    except OSError:
+                        item.abandon()  # the reading end is gone: nobody will get it
+                    else:
+                        item.close()
+                with notempty:
+                    pending[0] -= 1
 
 
 class JoinableQueue(Queue):
@@ -246,13 +313,10 @@ class JoinableQueue(Queue):
         super().__setstate__(state[:-2])
         self._cond, self._unfinished_tasks = state[-2:]
 
-    def _enqueue(self, message: _pickler.Message) -> None:
-        with self._notempty, self._cond:
-            if self._thread is None:
-                self._start_thread()
-            self._buffer.append(message)
+    def _count_task(self) -> None:
+        # before the item can be got: task_done() must never see it uncounted
+        with self._cond:
             self._unfinished_tasks.release()
-            self._notempty.notify()
 
     def task_done(self) -> None:
         with self._cond:

@@ -672,3 +672,85 @@ def test_put_sends_itself_in_order_and_hands_a_full_socket_to_the_feeder(monkeyp
             assert sharing.is_shared(got) and got.tolist() == [float(i)] * 10
     q.close()
     q.join_thread()
+
+
+# -- multiprocessing's own channels: DupFd fallback --------------------------------------
+
+
+def _stdlib_child(q, back):
+    a, view = q.get(timeout=30), q.get(timeout=30)
+    a += 1
+    back.put((sharing.is_shared(a), np.shares_memory(a, view), float(view[0])))
+
+
+def _stdlib_args_child(a, view, back):
+    view[0] = 7
+    back.put((sharing.is_shared(a), np.shares_memory(a, view)))
+
+
+def _write_first(a):
+    a[0] = 42
+    return sharing.is_shared(a)
+
+
+@pytest.fixture
+def stop_resource_sharer():
+    # multiprocessing's resource_sharer (DupFd outside process start) keeps a listening
+    # socket and a thread for the life of the process: stop it so the test leaks nothing
+    from multiprocessing import resource_sharer
+
+    yield
+    resource_sharer.stop()
+
+
+def test_stdlib_queue_carries_shared_arrays_as_handles(
+    strategy, start_method, stop_resource_sharer
+):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(start_method)
+    q, back = ctx.Queue(), ctx.Queue()
+    shared = sharing.zeros(100)
+    p = ctx.Process(target=_stdlib_child, args=(q, back))
+    p.start()
+    q.put(shared)
+    q.put(shared[10:])
+    assert back.get(timeout=30) == (True, True, 1.0)
+    p.join(30)
+    assert p.exitcode == 0
+    assert shared.tolist() == [1.0] * 100  # the child's writes, seen here
+    for qq in (q, back):
+        qq.close()
+        qq.join_thread()
+
+
+def test_stdlib_process_args_and_process_pool_share_arrays(
+    strategy, start_method, stop_resource_sharer
+):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context(start_method)
+    back = ctx.Queue()
+    shared = sharing.zeros(10)
+    p = ctx.Process(target=_stdlib_args_child, args=(shared, shared[5:], back))
+    p.start()
+    assert back.get(timeout=30) == (True, True)
+    p.join(30)
+    assert p.exitcode == 0 and shared[5] == 7
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        assert pool.submit(_write_first, shared).result(timeout=60) is True
+    assert shared[0] == 42
+    back.close()
+    back.join_thread()
+
+
+def test_arrays_outside_segments_pickle_through_multiprocessing_as_numpy_pickles_them():
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    plain = np.arange(10.0)[::2]
+    data = bytes(ForkingPickler.dumps(plain, protocol=4))
+    assert data == pickle.dumps(plain, protocol=4)
+    back = ForkingPickler.loads(data)
+    assert back.tolist() == plain.tolist() and not sharing.is_shared(back)

@@ -45,13 +45,13 @@ def _reduce_ndarray(array: np.ndarray) -> Any:
             offset,
             array.shape,
             array.strides,
-            _dtype_code(array.dtype),
+            dtype_code(array.dtype),
             array.flags.writeable,
         ),
     )
 
 
-def _dtype_code(dtype: np.dtype) -> str | np.dtype:
+def dtype_code(dtype: np.dtype) -> str | np.dtype:
     """``dtype.str`` when it names the dtype exactly (numbers, bools, dates, strings: a
     few bytes, fast to read back), else the dtype itself (structured, subarray, metadata,
     user-defined)."""
@@ -69,6 +69,18 @@ def _rebuild_ndarray(
     writeable: bool,
 ) -> np.ndarray:
     segment = _strategy.segment_from_handle(handle)
+    return array_over(segment, offset, shape, strides, dtype, writeable)
+
+
+def array_over(
+    segment: Segment,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: str | np.dtype,
+    writeable: bool,
+) -> np.ndarray:
+    """The array a handle describes, over ``segment`` of this process."""
     array = np.ndarray(shape, dtype, buffer=bytes_of(segment), offset=offset, strides=strides)
     if not writeable:
         array.flags.writeable = False
@@ -108,3 +120,8 @@ def copy_to_segment(array: np.ndarray) -> np.ndarray:
 
 
 _pickler.register(np.ndarray, _reduce_ndarray)
+
+# multiprocessing's own channels: arrays in segments go as handles there too (DupFd)
+from . import _mp_channels  # noqa: E402
+
+_mp_channels.install()

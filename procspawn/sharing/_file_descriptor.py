@@ -18,7 +18,7 @@ from typing import Any
 from . import _pickler
 from ._fdpass import FdLimitError
 from ._resources import raise_fd_limit, reserve
-from ._segment import Segment, reuse_mapping
+from ._segment import Segment, keep_mapped
 from ._strategy import SharingStrategy
 
 
@@ -32,9 +32,9 @@ def _fd_limit(what: str) -> Iterator[None]:
         raise
 
 
-def _segment(fd: int, size: int, key: Any, reuse: bool = False) -> Segment:
+def _segment(fd: int, size: int, key: Any) -> Segment:
     try:
-        return Segment.map(fd, size, strategy="file_descriptor", key=key, keep_fd=True, reuse=reuse)
+        return Segment.map(fd, size, strategy="file_descriptor", key=key, keep_fd=True)
     except BaseException:
         os.close(fd)
         raise
@@ -61,9 +61,12 @@ class FileDescriptorStrategy(SharingStrategy):
 
     def rebuild(self, handle: Any) -> Segment:
         index, size, key = handle
-        # still mapped from an earlier message? then the received duplicate is not needed
-        # (loads() closes it)
-        segment = reuse_mapping("file_descriptor", key, size)
-        if segment is None:
-            segment = _segment(_pickler.take_fd(index), size, key, reuse=True)
+        segment = _segment(_pickler.take_fd(index), size, key)
+        segment.received = True
+        keep_mapped(segment)
         return segment
+
+    def adopt_cached(self, handle: Any, segment: Segment) -> None:
+        # the received duplicate is not needed (loads() closes it)
+        if segment.received:
+            keep_mapped(segment)

@@ -15,6 +15,7 @@ inherited it.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import ctypes
 import errno
@@ -107,18 +108,28 @@ def _release(
 
 
 # Segments without an ``on_release`` (nothing to do at exit: the kernel unmaps and closes)
-# are released by a plain weak-reference callback, much cheaper than a util.Finalize;
-# ``_pending`` keeps those weak references alive with their release arguments.
+# are released by a plain weak-reference callback, much cheaper than a util.Finalize, only
+# when they are garbage (so unmapping is safe even during teardown); ``_pending`` keeps
+# those weak references alive with their release arguments.
 _pending: dict[weakref.ref[Any], tuple[Any, ...]] = {}
 
 
-def _collected(ref: weakref.ref[Any], pending: dict[Any, Any] = _pending) -> None:
-    # ``pending`` is bound now: at interpreter exit module globals may already be gone
-    entry = pending.pop(ref, None)
-    if entry is not None:
-        args, reuse_key, size = entry
-        if reuse_key is None or not _keep_mapped(reuse_key, size, args):
-            _release(*args)
+def _collected(
+    ref: weakref.ref[Any],
+    pending: dict[Any, Any] = _pending,
+    getpid: Callable[[], int] = os.getpid,
+    munmap: Any = _libc.munmap,
+    close: Callable[[int], None] = os.close,
+) -> None:
+    # Everything it uses is bound here: a segment that lives until the interpreter's
+    # teardown is released after module globals may have been cleared.
+    args = pending.pop(ref, None)
+    if args is not None:
+        pid, address, length, fd, _ = args
+        if getpid() == pid:  # not a forked child that merely inherited it
+            munmap(address, length)
+            if fd >= 0:
+                close(fd)
 
 
 class Segment:
@@ -141,6 +152,7 @@ class Segment:
         "fd",
         "name",
         "view",
+        "received",
         "__array_interface__",
         "_finalizer",
         "__weakref__",
@@ -158,7 +170,6 @@ class Segment:
         fd: int = -1,
         name: str | None = None,
         on_release: Callable[[], Any] | None = None,
-        reuse: bool = False,
     ) -> None:
         self.address = address
         self.size = size
@@ -167,6 +178,7 @@ class Segment:
         self.fd = fd
         self.name = name
         self.view: Any = None  # a weak reference to a uint8 array over it (see _reductions)
+        self.received = False  # set by a strategy that rebuilt it from a message
         # np.asarray(segment): a uint8 array over the usable bytes whose .base is the segment
         self.__array_interface__ = {
             "shape": (size,),
@@ -177,7 +189,7 @@ class Segment:
         args = (os.getpid(), map_address, map_length, fd, on_release)
         if on_release is None:
             self._finalizer: Any = weakref.ref(self, _collected)
-            _pending[self._finalizer] = (args, (strategy, key) if reuse else None, size)
+            _pending[self._finalizer] = args
         else:  # also released at exit: on_release may have to tell other processes
             self._finalizer = util.Finalize(self, _release, args=args, exitpriority=-100)
 
@@ -192,16 +204,12 @@ class Segment:
         header: int = 0,
         keep_fd: bool = False,
         on_release: Callable[[], Any] | None = None,
-        reuse: bool = False,
     ) -> Segment:
         """Map ``header + size`` bytes of ``fd`` shared; the usable bytes start after ``header``.
 
         With ``keep_fd`` the Segment owns ``fd`` and closes it on release; otherwise the
         caller may close ``fd`` at once (the mapping needs no descriptor). ``on_release``
-        runs once when the Segment is released in the process that made it. With
-        ``reuse`` (a received segment that owns its descriptor and has no
-        ``on_release``), a released Segment stays mapped for a while: see
-        :func:`reuse_mapping`.
+        runs once when the Segment is released in the process that made it.
         """
         length = max(header + size, 1)
         address = map_fd(fd, length)
@@ -214,7 +222,6 @@ class Segment:
             map_length=length,
             fd=fd if keep_fd else -1,
             on_release=on_release,
-            reuse=reuse,
         )
 
     def __repr__(self) -> str:
@@ -225,86 +232,56 @@ class Segment:
 #
 # A consumer that gets arrays from a pool of shared buffers drops each one before the next
 # arrives: without this, every message would map its segment again and unmap it at once
-# (two system calls, a page fault and a Segment: most of the cost of a message). So a
-# received segment that owns its descriptor (file_descriptor) is not unmapped when its
-# last array goes, but kept: at most _KEEP_COUNT segments and PROCSPAWN_KEEP_MAPPED_BYTES
-# bytes (default 64 MiB; 0 turns this off), oldest out first. Nothing is named, so keeping
-# one only delays its free; release_unused() lets go of them all.
+# (two system calls, a page fault and a Segment: most of the cost of a message). So the
+# file_descriptor strategy holds the segments it received last, whether arrays still use
+# them or not: at most _KEEP_COUNT segments and PROCSPAWN_KEEP_MAPPED_BYTES bytes (default
+# 64 MiB; 0 turns this off), the least recently received let go first. Nothing is named,
+# so holding one only delays its free; release_unused() lets go of them all.
 
 KEEP_ENV = "PROCSPAWN_KEEP_MAPPED_BYTES"
 _KEEP_COUNT = 32
-_kept: collections.OrderedDict[tuple[str, Any], tuple[int, tuple[Any, ...]]] = (
-    collections.OrderedDict()
-)
+_kept: collections.OrderedDict[tuple[str, Any], Segment] = collections.OrderedDict()
 _kept_bytes = 0
-_kept_lock = threading.RLock()  # a release may run from the garbage collector, anywhere
+_kept_lock = threading.Lock()
 
 
 def _keep_budget() -> int:
     return int(os.environ.get(KEEP_ENV, 64 << 20))
 
 
-def _keep_mapped(key: tuple[str, Any], size: int, args: tuple[Any, ...]) -> bool:
-    """Keep a released segment mapped for reuse; False if it does not fit (release it)."""
+def keep_mapped(segment: Segment) -> None:
+    """Hold ``segment`` (just received) as the most recent one kept for reuse."""
     global _kept_bytes
-    pid, _, length, _, _ = args
     budget = _keep_budget()
-    if pid != os.getpid() or length > budget or _exiting:
-        return False
-    evicted = []
+    if segment.size > budget:
+        return
+    key = (segment.strategy, segment.key)
     with _kept_lock:
         old = _kept.pop(key, None)
-        if old is not None:  # cannot happen (one Segment per key), but never leak one
-            evicted.append(old[1])
-            _kept_bytes -= old[1][2]
-        _kept[key] = (size, args)
-        _kept_bytes += length
+        _kept_bytes += segment.size - (old.size if old is not None else 0)
+        _kept[key] = segment
+        evicted = []
         while len(_kept) > _KEEP_COUNT or _kept_bytes > budget:
-            _, (_, oldest) = _kept.popitem(last=False)
-            _kept_bytes -= oldest[2]
-            evicted.append(oldest)
-    for old_args in evicted:
-        _release(*old_args)
-    return True
-
-
-def reuse_mapping(strategy: str, key: Any, size: int) -> Segment | None:
-    """A new Segment over a kept mapping of ``key`` (it owns the kept descriptor), or None."""
-    global _kept_bytes
-    with _kept_lock:
-        entry = _kept.pop((strategy, key), None)
-        if entry is not None:
-            _kept_bytes -= entry[1][2]
-    if entry is None:
-        return None
-    kept_size, args = entry
-    _, address, length, fd, _ = args
-    if kept_size != size:
-        _release(*args)
-        return None
-    return Segment(
-        address=address,
-        size=size,
-        strategy=strategy,
-        key=key,
-        map_address=address,
-        map_length=length,
-        fd=fd,
-        reuse=True,
-    )
+            evicted.append(_kept.popitem(last=False)[1])
+            _kept_bytes -= evicted[-1].size
+    # the evicted are released (outside the lock) when no array uses them either
+    del evicted
 
 
 def release_unused() -> int:
-    """Unmap the received segments this process keeps mapped for reuse (no array uses
-    them) and close their descriptors. Returns how many there were."""
+    """Let go of the received segments this process holds for reuse: each one no array
+    uses any more is unmapped and its descriptor closed. Returns how many were held."""
     global _kept_bytes
     with _kept_lock:
-        entries = list(_kept.values())
+        held = list(_kept.values())
         _kept.clear()
         _kept_bytes = 0
-    for _, args in entries:
-        _release(*args)
-    return len(entries)
+    count = len(held)
+    del held
+    return count
+
+
+atexit.register(release_unused)  # at exit, before module teardown
 
 
 # -- the receiver's cache: one Segment per (strategy, key) per process ---------------------
@@ -349,7 +326,7 @@ def _reset_after_fork() -> None:
     _sweep_at = _CACHE_SWEEP
     _kept = collections.OrderedDict()  # the parent's to release, as its live segments
     _kept_bytes = 0
-    _kept_lock = threading.RLock()
+    _kept_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -619,12 +619,12 @@ def test_segments_kept_mapped_are_bounded_by_bytes_and_count(monkeypatch):
     from procspawn.sharing import _segment
 
     sharing.release_unused()
-    monkeypatch.setenv(_segment.KEEP_ENV, str(3 * 4096))
+    monkeypatch.setattr(_segment, "_keep_budget", 3 * 4096)
     seen, maps = _receive_dropping(10, 1, monkeypatch)
     assert seen == list(range(10))
     assert len(_segment._kept) == 3 and _segment._kept_bytes == 3 * 4096
     sharing.release_unused()
-    monkeypatch.delenv(_segment.KEEP_ENV)
+    monkeypatch.undo()
     _receive_dropping(_segment._KEEP_COUNT + 8, 1, monkeypatch)
     assert len(_segment._kept) == _segment._KEEP_COUNT
     sharing.release_unused()
@@ -635,7 +635,7 @@ def test_keeping_segments_mapped_can_be_turned_off(monkeypatch):
     from procspawn.sharing import _segment
 
     sharing.release_unused()
-    monkeypatch.setenv(_segment.KEEP_ENV, "0")
+    monkeypatch.setattr(_segment, "_keep_budget", 0)
     seen, maps = _receive_dropping(1, 5, monkeypatch)
     assert seen == [0] * 5 and maps == 5
     assert not _segment._kept
@@ -754,3 +754,12 @@ def test_arrays_outside_segments_pickle_through_multiprocessing_as_numpy_pickles
     assert data == pickle.dumps(plain, protocol=4)
     back = ForkingPickler.loads(data)
     assert back.tolist() == plain.tolist() and not sharing.is_shared(back)
+
+
+def test_keep_mapped_budget_comes_from_the_environment():
+    code = "from procspawn.sharing import _segment; print(_segment._keep_budget)"
+    assert run_script(code).stdout.split() == [str(64 << 20)]
+    assert run_script(code, env_extra={"PROCSPAWN_KEEP_MAPPED_BYTES": "0"}).stdout.split() == ["0"]
+    bad = run_script(code, env_extra={"PROCSPAWN_KEEP_MAPPED_BYTES": "lots"})
+    assert bad.returncode != 0
+    assert "PROCSPAWN_KEEP_MAPPED_BYTES='lots' is not a number of bytes" in bad.stderr

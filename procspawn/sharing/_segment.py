@@ -245,14 +245,21 @@ _kept_bytes = 0
 _kept_lock = threading.Lock()
 
 
-def _keep_budget() -> int:
-    return int(os.environ.get(KEEP_ENV, 64 << 20))
+def _read_keep_budget() -> int:
+    text = os.environ.get(KEEP_ENV, str(64 << 20))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{KEEP_ENV}={text!r} is not a number of bytes") from None
+
+
+_keep_budget = _read_keep_budget()  # read once: this is on every message's path
 
 
 def keep_mapped(segment: Segment) -> None:
     """Hold ``segment`` (just received) as the most recent one kept for reuse."""
     global _kept_bytes
-    budget = _keep_budget()
+    budget = _keep_budget
     if segment.size > budget:
         return
     key = (segment.strategy, segment.key)

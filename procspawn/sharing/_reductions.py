@@ -60,16 +60,9 @@ def dtype_code(dtype: np.dtype) -> str | np.dtype:
     return dtype
 
 
-def _rebuild_ndarray(
-    handle: Any,
-    offset: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    dtype: str | np.dtype,
-    writeable: bool,
-) -> np.ndarray:
-    segment = _strategy.segment_from_handle(handle)
-    return array_over(segment, offset, shape, strides, dtype, writeable)
+def _rebuild_ndarray(handle: Any, *layout: Any) -> np.ndarray:
+    """The received array: ``layout`` as ``array_over`` takes it, over the handle's segment."""
+    return array_over(_strategy.segment_from_handle(handle), *layout)
 
 
 def array_over(

@@ -600,18 +600,26 @@ def _receive_dropping(count, rounds, monkeypatch):
     return seen, len(maps)
 
 
-def test_a_dropped_segment_stays_mapped_for_the_next_message(monkeypatch):
+def test_a_dropped_segment_stays_mapped_for_the_next_message(monkeypatch, strategy):
     from procspawn.sharing import _segment
 
     sharing.release_unused()
     before = len(os.listdir("/proc/self/fd"))
+    names = set(os.listdir("/dev/shm"))
     seen, maps = _receive_dropping(1, 20, monkeypatch)
     assert seen == [0] * 20
     assert maps == 1  # mapped once, then reused: no mmap/munmap per message
     assert len(_segment._kept) == 1
-    assert len(os.listdir("/proc/self/fd")) == before + 1  # its memfd, kept with it
+    (kept,) = _segment._kept.values()
+    if strategy == "file_descriptor":
+        assert len(os.listdir("/proc/self/fd")) == before + 1  # its memfd, kept with it
+    else:  # the producer has exited: our reference keeps the name, and no descriptor
+        assert len(os.listdir("/proc/self/fd")) == before
+        assert set(os.listdir("/dev/shm")) - names == {kept.name}
+    del kept
     assert sharing.release_unused() == 1
     assert len(os.listdir("/proc/self/fd")) == before
+    assert set(os.listdir("/dev/shm")) - names == set()  # the last reference unlinked it
     assert sharing.release_unused() == 0
 
 

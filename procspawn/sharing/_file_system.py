@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _manager, _pickler
 from ._resources import reserve
-from ._segment import Segment
+from ._segment import Segment, keep_mapped
 from ._strategy import SharingStrategy
 
 SHM_DIR = "/dev/shm"
@@ -160,15 +160,20 @@ class FileSystemStrategy(SharingStrategy):
                 # the sender keeps it alive until we hold our own reference
                 adjust_refcount(name, +1, fd)
             try:
-                return _map(fd, name, size)
+                segment = _map(fd, name, size)
             except BaseException:
                 _release(name)  # ours, or the message's we were adopting
                 raise
         finally:
             os.close(fd)
+        segment.received = True
+        keep_mapped(segment)  # as file_descriptor: the next message for it maps nothing
+        return segment
 
     def adopt_cached(self, handle: Any, segment: Segment) -> None:
         name, _, inflight = handle
         if inflight:
             # we hold a reference already (so this never unlinks): drop the message's
             adjust_refcount(name, -1)
+        if segment.received:
+            keep_mapped(segment)

@@ -233,10 +233,11 @@ class Segment:
 # A consumer that gets arrays from a pool of shared buffers drops each one before the next
 # arrives: without this, every message would map its segment again and unmap it at once
 # (two system calls, a page fault and a Segment: most of the cost of a message). So the
-# file_descriptor strategy holds the segments it received last, whether arrays still use
-# them or not: at most _KEEP_COUNT segments and PROCSPAWN_KEEP_MAPPED_BYTES bytes (default
-# 64 MiB; 0 turns this off), the least recently received let go first. Nothing is named,
-# so holding one only delays its free; release_unused() lets go of them all.
+# built-in strategies hold the segments they received last, whether arrays still use them
+# or not: at most _KEEP_COUNT segments and PROCSPAWN_KEEP_MAPPED_BYTES bytes (default
+# 64 MiB; 0 turns this off), the least recently received let go first. Holding one is
+# holding a reference, as an array does: it only delays the free (and, for file_system,
+# the unlink); release_unused() lets go of them all, and so does the exit.
 
 KEEP_ENV = "PROCSPAWN_KEEP_MAPPED_BYTES"
 _KEEP_COUNT = 32

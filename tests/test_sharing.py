@@ -771,3 +771,28 @@ def test_keep_mapped_budget_comes_from_the_environment():
     bad = run_script(code, env_extra={"PROCSPAWN_KEEP_MAPPED_BYTES": "lots"})
     assert bad.returncode != 0
     assert "PROCSPAWN_KEEP_MAPPED_BYTES='lots' is not a number of bytes" in bad.stderr
+
+
+def _put_and_exit(q):
+    shared = sharing.zeros(10)
+    q.put(shared)
+    q.close()
+    q.join_thread()  # the message is in the pipe; this process (and its sharer) then exits
+
+
+def test_stdlib_queue_sender_gone_is_a_clear_error(start_method):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(start_method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_put_and_exit, args=(q,))
+    p.start()
+    p.join(30)
+    assert p.exitcode == 0
+    with pytest.raises(OSError) as info:
+        q.get(timeout=30)
+    msg = str(info.value)
+    assert "could not be fetched from the process that sent it" in msg
+    assert "procspawn's own channels" in msg
+    q.close()
+    q.join_thread()

@@ -89,16 +89,10 @@ def _dupfd(fd: int) -> Any:
     return given[fd]
 
 
-def _rebuild(
-    handle: tuple[str, Any, Any, Any],
-    offset: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    dtype: Any,
-    writeable: bool,
-) -> np.ndarray:
+def _rebuild(handle: tuple[str, Any, Any, Any], *layout: Any) -> np.ndarray:
+    """The received array: ``layout`` as ``_reductions.array_over`` takes it."""
     name, key, strategy_handle, dupfd = handle
-    fds = [dupfd.detach()] if dupfd is not None else []
+    fds = [_detach(dupfd)] if dupfd is not None else []
     with cache_lock():
         live = cached(name, key)
         if live is not None and fds and live.fd == fds[0]:
@@ -117,7 +111,23 @@ def _rebuild(
                 os.close(fd)
     from . import _reductions
 
-    return _reductions.array_over(segment, offset, shape, strides, dtype, writeable)
+    return _reductions.array_over(segment, *layout)
+
+
+def _detach(dupfd: Any) -> int:
+    try:
+        fd: int = dupfd.detach()
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"a shared array came through a multiprocessing (stdlib) channel, but its "
+            f"shared-memory descriptor could not be fetched from the process that sent it "
+            f"({exc}): that process has probably exited. Over stdlib channels the sender "
+            f"must live until the array is received; procspawn's own channels "
+            f"(procspawn.Queue, Pipe, SimpleQueue, Pool) carry the descriptor inside the "
+            f"message and have no such limit.",
+        ) from exc
+    return fd
 
 
 def install() -> None:

@@ -261,7 +261,7 @@ def keep_mapped(segment: Segment) -> None:
     """Hold ``segment`` (just received) as the most recent one kept for reuse."""
     global _kept_bytes
     budget = _keep_budget
-    if segment.size > budget:
+    if budget <= 0 or segment.size > budget:
         return
     key = (segment.strategy, segment.key)
     with _kept_lock:

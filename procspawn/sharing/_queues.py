@@ -55,28 +55,15 @@ class Queue:
         self._reset()
         register_after_fork(self, Queue._after_fork)
 
+    _STATE = ("_maxsize", "_reader", "_writer", "_rlock", "_wlock", "_sem", "_opid")
+
     def __getstate__(self) -> tuple[Any, ...]:
         mp_context.assert_spawning(self)
-        return (
-            self._maxsize,
-            self._reader,
-            self._writer,
-            self._rlock,
-            self._wlock,
-            self._sem,
-            self._opid,
-        )
+        return tuple(getattr(self, name) for name in Queue._STATE)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        (
-            self._maxsize,
-            self._reader,
-            self._writer,
-            self._rlock,
-            self._wlock,
-            self._sem,
-            self._opid,
-        ) = state
+        for name, value in zip(Queue._STATE, state, strict=True):
+            setattr(self, name, value)
         self._reset()
 
     def _after_fork(self) -> None:

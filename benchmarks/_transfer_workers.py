@@ -5,8 +5,10 @@ A transport is named by its family and mode:
 * family "small" (a tiny int, the floor of any Queue), "stdlib" (ndarray pickled through
   the pipe), "shm" (``multiprocessing.shared_memory`` by hand: the array is made once and
   only its name is sent), "procspawn" or "torch";
-* mode "shared" (one array in shared memory, made once, the same one put every time) or
-  "unshared" (a fresh plain copy put every time, which the transport must move).
+* mode "shared" (one array in shared memory, made once, the same one put every time),
+  "unshared" (a fresh plain copy put every time, which the transport must move) or
+  "fresh" (procspawn and torch only: a new zero-filled shared array made for every item,
+  its last byte set to FILL, put and dropped by the producer).
 
 Messages to the parent are ``(kind, value)`` tuples on a stdlib Pipe; ``("error", text)``
 reports a failure. procspawn and torch are imported only by the children that use them.
@@ -88,22 +90,27 @@ def produce_paced(
     conn: Connection,
     ack: Connection,
     family: str,
+    mode: str,
     strategy: str | None,
     nbytes: int,
     n: int,
 ) -> None:
-    """On "go", put ``n`` shared items one at a time, each once the consumer acknowledged
-    the one before on ``ack``; report the ``time.monotonic()`` of every put."""
+    """On "go", put ``n`` items ("shared" or "fresh") one at a time, each once the consumer
+    acknowledged the one before on ``ack``, dropping each once put; report the
+    ``time.monotonic()`` just before every put ("shared") or every item's making
+    ("fresh")."""
     try:
         with ExitStack() as stack:
-            make_item = _item_maker(family, "shared", strategy, nbytes, stack)
+            make_item = _item_maker(family, mode, strategy, nbytes, stack)
             conn.send(("ready", None))
             conn.recv()
             starts = []
             for _ in range(n):
+                before_make = time.monotonic()
                 item = make_item()
-                starts.append(time.monotonic())
+                starts.append(before_make if mode == "fresh" else time.monotonic())
                 q.put(item)
+                del item  # the Queue keeps it until it is sent
                 ack.recv()
             conn.send(("starts", starts))
             conn.recv()
@@ -112,10 +119,11 @@ def produce_paced(
 
 
 def consume_paced(
-    q: Any, conn: Connection, ack: Connection, family: str, nbytes: int, n: int
+    q: Any, conn: Connection, ack: Connection, family: str, mode: str, nbytes: int, n: int
 ) -> None:
-    """Get ``n`` items, note the ``time.monotonic()`` each one was in hand (checked), drop
-    it, acknowledge it on ``ack``; report the times."""
+    """Get ``n`` items, check each, drop it, acknowledge it on ``ack``; report the
+    ``time.monotonic()`` of each once checked ("shared") or once dropped ("fresh": the
+    drop releases the item's memory here, part of its cost)."""
     try:
         with ExitStack() as stack:
             resolve = _shm_resolver(nbytes, stack) if family == "shm" else _as_is
@@ -124,8 +132,9 @@ def consume_paced(
             for _ in range(n):
                 item = resolve(q.get(timeout=GET_TIMEOUT_SECONDS))
                 _check(item, family, nbytes)
-                ends.append(time.monotonic())
+                checked = time.monotonic()
                 del item
+                ends.append(time.monotonic() if mode == "fresh" else checked)
                 ack.send(None)
             conn.send(("ends", ends))
     except Exception as exc:
@@ -135,7 +144,8 @@ def consume_paced(
 def _item_maker(
     family: str, mode: str, strategy: str | None, nbytes: int, stack: ExitStack
 ) -> Callable[[], Any]:
-    """What the producer puts each time: the same shared object, or a fresh copy."""
+    """What the producer puts each time: the same shared object, a fresh copy, or a new
+    shared array."""
     if family == "small":
         return lambda: 1
     if family == "shm":
@@ -148,7 +158,15 @@ def _item_maker(
             array = sharing.zeros(nbytes, np.uint8)
             array.fill(FILL)
             return lambda: array
+        if mode == "fresh":
+            return lambda: _marked(sharing.zeros(nbytes, dtype=np.uint8))
     return np.full(nbytes, FILL, np.uint8).copy
+
+
+def _marked(item: Any) -> Any:
+    """``item`` with its last element set to FILL (what _check reads), so not all zero."""
+    item[-1] = FILL
+    return item
 
 
 def _shm_maker(nbytes: int, stack: ExitStack) -> Callable[[], str]:
@@ -172,11 +190,14 @@ def _procspawn_sharing(strategy: str | None) -> Any:
 
 
 def _torch_maker(mode: str, strategy: str | None, nbytes: int) -> Callable[[], Any]:
-    """The same tensor after ``share_memory_()``, or a fresh clone of a plain one."""
+    """The same tensor after ``share_memory_()``, a fresh clone of a plain one, or a new
+    tensor after ``share_memory_()``."""
     import torch
     import torch.multiprocessing
 
     torch.multiprocessing.set_sharing_strategy(strategy)
+    if mode == "fresh":
+        return lambda: _marked(torch.zeros(nbytes, dtype=torch.uint8).share_memory_())
     tensor = torch.full((nbytes,), FILL, dtype=torch.uint8)
     if mode == "shared":
         tensor.share_memory_()

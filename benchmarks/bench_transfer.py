@@ -3,6 +3,7 @@
 Run::
 
     python benchmarks/bench_transfer.py [--repeats N] [--quick] [--json out.json]
+                                        [--only {all,throughput,paced,fresh,live}]
 
 Per-item latency. A producer process puts N arrays of one size (4 KiB, 1 MiB, 64 MiB,
 512 MiB of uint8; N = 200, 50, 10, 3) into a Queue and a consumer process gets them. The
@@ -42,6 +43,17 @@ checked (both ``time.monotonic()``, one clock for every process), median of N = 
 first 30 not counted). Rows: the tiny int, SharedMemory by hand and the shared rows of
 procspawn and torch, at 4 KiB and 64 MiB.
 
+Fresh shared array per item. Paced as above, but the producer makes a new shared array
+for every item: ``procspawn.sharing.zeros(nbytes, dtype=np.uint8)`` or
+``torch.zeros(nbytes, dtype=torch.uint8).share_memory_()``, sets its last byte, puts it
+and drops its reference. The consumer gets it, reads that byte (checked), drops it and
+acknowledges. Each item's latency runs from just before the producer's allocation to
+just after the consumer's drop (``time.monotonic()``), so it includes making the shared
+memory, sending its handle, mapping it in the consumer and releasing it there; median of
+N = 100 items at 4 KiB and 1 MiB, 30 at 64 MiB (the first n/10 not counted). Rows:
+procspawn and torch, file_descriptor and file_system; "x torch fd" = time / the torch
+file_descriptor row of the same size.
+
 Many live arrays. A consumer lowers RLIMIT_NOFILE to (1024, 1024), then receives and
 keeps 10,000 and 100,000 shared arrays of 64 float32 (the producer makes each one with
 ``procspawn.sharing.zeros`` / ``torch.zeros(64).share_memory_()``, puts it into a
@@ -49,8 +61,9 @@ bounded Queue and drops it). The table tells whether all were held, how many wer
 before the failure, and the error. Note the kernel's vm.max_map_count (65530 by
 default): a process cannot map more segments than that, whatever the strategy.
 
-``--quick`` runs 4 KiB and 1 MiB, 1 round, paced 4 KiB with N = 100, and 2,000 live
-arrays (a smoke test).
+``--quick`` runs 4 KiB and 1 MiB, 1 round, paced 4 KiB with N = 100, fresh 4 KiB and
+1 MiB, and 2,000 live arrays (a smoke test). ``--only`` runs one table: ``throughput``
+(the per-item latency table and the tiny-message time), ``paced``, ``fresh`` or ``live``.
 """
 
 from __future__ import annotations
@@ -85,11 +98,14 @@ QUICK_SMALL_MESSAGES = 200
 PACED_SIZES = (("4 KiB", 4 << 10), ("64 MiB", 64 << 20))
 PACED_N, PACED_WARMUP = 300, 30
 QUICK_PACED_N = 100
+FRESH_SIZES = (("4 KiB", 4 << 10, 100), ("1 MiB", 1 << 20, 100), ("64 MiB", 64 << 20, 30))
+QUICK_FRESH_SIZES = FRESH_SIZES[:2]
 LIVE_COUNTS = (10_000, 100_000)
 QUICK_LIVE_COUNTS = (2_000,)
 LIVE_QUEUE_SIZE = 256
 STRATEGIES = ("file_descriptor", "file_system")
 MODES = ("shared", "unshared")
+TABLES = ("throughput", "paced", "fresh", "live")
 STARTUP_SECONDS = 120.0
 LIVE_SECONDS = 600.0
 
@@ -277,23 +293,29 @@ PACED_TRANSPORTS = (
     Transport("shm", "shared"),
     *(Transport(f, "shared", s) for f in ("procspawn", "torch") for s in STRATEGIES),
 )
+FRESH_TRANSPORTS = tuple(
+    Transport(f, "fresh", s) for f in ("procspawn", "torch") for s in STRATEGIES
+)
 
 
 def time_paced(transport: Transport, nbytes: int, n: int) -> list[float]:
-    """Seconds from put to get of each item after the warm-up, one item in flight."""
+    """Seconds per item after the warm-up, one item in flight: from put to get ("shared"
+    mode), or from the producer's allocation to the consumer's drop ("fresh")."""
     ctx = context_for(transport)
     q = ctx.Queue()
     prod_conn, prod_end = multiprocessing.Pipe()
     cons_conn, cons_end = multiprocessing.Pipe()
     ack_recv, ack_send = multiprocessing.Pipe(duplex=False)
-    fam, strategy = transport.family, transport.strategy
+    fam, mode, strategy = transport.family, transport.mode, transport.strategy
     consumer = ctx.Process(
-        name="consumer", target=workers.consume_paced, args=(q, cons_end, ack_send, fam, nbytes, n)
+        name="consumer",
+        target=workers.consume_paced,
+        args=(q, cons_end, ack_send, fam, mode, nbytes, n),
     )
     producer = ctx.Process(
         name="producer",
         target=workers.produce_paced,
-        args=(q, prod_end, ack_recv, fam, strategy, nbytes, n),
+        args=(q, prod_end, ack_recv, fam, mode, strategy, nbytes, n),
     )
     try:
         consumer.start()
@@ -301,7 +323,7 @@ def time_paced(transport: Transport, nbytes: int, n: int) -> list[float]:
         common.receive(cons_conn, consumer, STARTUP_SECONDS)
         common.receive(prod_conn, producer, STARTUP_SECONDS)
         prod_conn.send("go")
-        ends = common.receive(cons_conn, consumer, 60.0 + n * 0.1)
+        ends = common.receive(cons_conn, consumer, 60.0 + n * (0.1 + 20.0 * nbytes / 1e9))
         starts = common.receive(prod_conn, producer, 60.0)
         prod_conn.send("done")
         skip = min(PACED_WARMUP, n // 10)
@@ -313,11 +335,14 @@ def time_paced(transport: Transport, nbytes: int, n: int) -> list[float]:
 
 
 def measure_paced(
-    sizes: tuple[tuple[str, int], ...], n: int, problems: dict[str, str | None]
+    sizes: tuple[tuple[str, int, int], ...],
+    transports: tuple[Transport, ...],
+    problems: dict[str, str | None],
 ) -> list[dict[str, Any]]:
+    """One row per (size, nbytes, n) and transport, each timed by time_paced."""
     rows = []
-    for size, nbytes in sizes:
-        for transport in PACED_TRANSPORTS:
+    for size, nbytes, n in sizes:
+        for transport in transports:
             nb = 0 if transport.family == "small" else nbytes
             problem = problems.get(transport.family)
             if problem is None:
@@ -328,31 +353,34 @@ def measure_paced(
             else:
                 samples = problem
             rows.append(latency_row(size, nb, transport, samples))
-            print(f"  paced {size:>8}  {transport.label}: done", file=sys.stderr)
+            table = "fresh" if transport.mode == "fresh" else "paced"
+            print(f"  {table} {size:>8}  {transport.label}: done", file=sys.stderr)
     return rows
 
 
 def paced_table(rows: list[dict[str, Any]]) -> str:
+    """The paced or fresh rows; the "x small msg" column only when there is a small row."""
     small = {r["size"]: r["seconds"] for r in rows if r["transport"] == "small msg"}
     torch_fd = {
         r["size"]: r["seconds"] for r in rows if r["transport"].startswith("torch file_desc")
     }
-    headers = ["size", "transport", "ms/item", "x torch fd", "x small msg"]
+    headers = ["size", "transport", "ms/item", "x torch fd"] + (["x small msg"] if small else [])
     lines = []
     for row in rows:
         seconds = row["seconds"]
         if seconds is None:
-            lines.append([row["size"], row["transport"], f"n/a: {row['error']}", "", ""])
+            error = [f"n/a: {row['error']}"] + [""] * (len(headers) - 3)
+            lines.append([row["size"], row["transport"], *error])
             continue
-        lines.append(
-            [
-                row["size"],
-                row["transport"],
-                f"{seconds * 1e3:.3f}",
-                common.ratio(seconds, torch_fd.get(row["size"])),
-                common.ratio(seconds, small.get(row["size"])),
-            ]
-        )
+        line = [
+            row["size"],
+            row["transport"],
+            f"{seconds * 1e3:.3f}",
+            common.ratio(seconds, torch_fd.get(row["size"])),
+        ]
+        if small:
+            line.append(common.ratio(seconds, small.get(row["size"])))
+        lines.append(line)
     return common.markdown_table(headers, lines)
 
 
@@ -425,47 +453,74 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds (median)")
     parser.add_argument(
-        "--quick", action="store_true", help="4 KiB and 1 MiB, 1 round, 2,000 live arrays"
+        "--quick",
+        action="store_true",
+        help="4 KiB and 1 MiB, 1 round, paced 4 KiB, fresh 4 KiB and 1 MiB, 2,000 live arrays",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--only", choices=("all", *TABLES), default="all", help="run one table (default: all)"
+    )
     return parser.parse_args()
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    """The markdown tables of the parts that ran, each under its heading."""
+    sections = []
+    if "latency" in results:
+        small = results["small_message_seconds"]
+        sections.append(
+            f"## transfer latency (median of {results['rounds']} round(s))\n\n"
+            f"small stdlib Queue message: {small * 1e3:.3f} ms/item\n\n"
+            + latency_table(results["latency"], small)
+        )
+    if "paced" in results:
+        sections.append(
+            "## one item at a time (paced: median latency from put to get)\n\n"
+            + paced_table(results["paced"])
+        )
+    if "fresh" in results:
+        sections.append(
+            "## fresh shared array per item (paced: median latency from the producer's"
+            " allocation to the consumer's drop)\n\n" + paced_table(results["fresh"])
+        )
+    if "live" in results:
+        sections.append(
+            f"## many live arrays (consumer RLIMIT_NOFILE = {workers.LIVE_FD_LIMIT})\n\n"
+            + live_table(results["live"])
+        )
+    print("\n\n".join(sections))
 
 
 def main() -> None:
     args = parse_args()
+    run = set(TABLES) if args.only == "all" else {args.only}
     rounds = 1 if args.quick else args.repeats
     sizes = QUICK_SIZES if args.quick else SIZES
     problems = {"torch": common.torch_problem(), "procspawn": procspawn_queue_problem()}
-    small_n = QUICK_SMALL_MESSAGES if args.quick else SMALL_MESSAGES
-    small = statistics.median(time_transfer(Transport("small", "unshared"), 0, small_n, rounds))
-    rows = []
-    for size, nbytes, n in sizes:
-        rows += measure_size(size, nbytes, n, rounds, problems)
-    paced = measure_paced(
-        PACED_SIZES[:1] if args.quick else PACED_SIZES,
-        QUICK_PACED_N if args.quick else PACED_N,
-        problems,
-    )
-    live = measure_live(QUICK_LIVE_COUNTS if args.quick else LIVE_COUNTS, problems)
+    results: dict[str, Any] = {"rounds": rounds}
+    if "throughput" in run:
+        small_n = QUICK_SMALL_MESSAGES if args.quick else SMALL_MESSAGES
+        small_transport = Transport("small", "unshared")
+        small = statistics.median(time_transfer(small_transport, 0, small_n, rounds))
+        rows = []
+        for size, nbytes, n in sizes:
+            rows += measure_size(size, nbytes, n, rounds, problems)
+        results |= {"small_message_seconds": small, "latency": rows}
+    if "paced" in run:
+        paced_n = QUICK_PACED_N if args.quick else PACED_N
+        paced_sizes = PACED_SIZES[:1] if args.quick else PACED_SIZES
+        paced_sizes_n = tuple((size, nbytes, paced_n) for size, nbytes in paced_sizes)
+        results["paced"] = measure_paced(paced_sizes_n, PACED_TRANSPORTS, problems)
+    if "fresh" in run:
+        fresh_sizes = QUICK_FRESH_SIZES if args.quick else FRESH_SIZES
+        results["fresh"] = measure_paced(fresh_sizes, FRESH_TRANSPORTS, problems)
+    if "live" in run:
+        results["live"] = measure_live(QUICK_LIVE_COUNTS if args.quick else LIVE_COUNTS, problems)
 
-    print(f"## transfer latency (median of {rounds} round(s))\n")
-    print(f"small stdlib Queue message: {small * 1e3:.3f} ms/item\n")
-    print(latency_table(rows, small))
-    print("\n## one item at a time (paced: median latency from put to get)\n")
-    print(paced_table(paced))
-    print(f"\n## many live arrays (consumer RLIMIT_NOFILE = {workers.LIVE_FD_LIMIT})\n")
-    print(live_table(live))
+    print_tables(results)
     if args.json:
-        common.write_json(
-            args.json,
-            {
-                "rounds": rounds,
-                "small_message_seconds": small,
-                "latency": rows,
-                "paced": paced,
-                "live": live,
-            },
-        )
+        common.write_json(args.json, results)
 
 
 if __name__ == "__main__":

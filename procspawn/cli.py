@@ -3,8 +3,9 @@
     procspawn info [--json]              what this machine offers and what procspawn holds
     procspawn cleanup [--dry-run] [--json]
                                          remove this user's procspawn_* segments that no
-                                         live process maps and no live cleanup daemon
-                                         records (and that are older than 2 seconds)
+                                         live process maps or holds open and no live
+                                         cleanup daemon records (and that are older
+                                         than 2 seconds)
 
 Exit codes: 0 success, 1 a segment could not be removed, 2 bad usage.
 """
@@ -20,9 +21,7 @@ import sys
 import time
 from typing import Any
 
-SHM_DIR = "/dev/shm"
-PREFIX = "procspawn_"
-_YOUNG = 2.0  # seconds: a segment this young may be between creation and registration
+from .sharing._manager_main import PREFIX, SHM_DIR, YOUNG, in_use
 
 
 def _proc_entries() -> list[int]:
@@ -35,22 +34,6 @@ def _read(path: str) -> str | None:
             return f.read().decode("utf-8", "replace")
     except OSError:
         return None
-
-
-def _mapped_segments() -> dict[str, set[int]]:
-    """segment name -> pids of live processes that map it (from /proc/*/maps)."""
-    found: dict[str, set[int]] = {}
-    marker = f"{SHM_DIR}/{PREFIX}"
-    for pid in _proc_entries():
-        maps = _read(f"/proc/{pid}/maps")
-        if not maps or marker not in maps:
-            continue
-        for line in maps.splitlines():
-            i = line.find(marker)
-            if i >= 0:
-                name = line[i + len(SHM_DIR) + 1 :].split()[0]
-                found.setdefault(name, set()).add(pid)
-    return found
 
 
 def _daemons() -> list[dict[str, Any]]:
@@ -84,7 +67,7 @@ def _daemons() -> list[dict[str, Any]]:
 
 
 def _segments() -> list[dict[str, Any]]:
-    mapped = _mapped_segments()
+    mapped = in_use()
     out = []
     try:
         names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
@@ -105,7 +88,7 @@ def _segments() -> list[dict[str, Any]]:
                 "age_seconds": round(max(0.0, time.time() - st.st_mtime), 3),
                 "owner_pid": owner,
                 "owner_alive": owner is not None and os.path.exists(f"/proc/{owner}"),
-                "mapped_by": sorted(mapped.get(name, ())),
+                "used_by": sorted(mapped.get(name, ())),
             }
         )
     return out
@@ -146,8 +129,8 @@ def cleanup(dry_run: bool) -> dict[str, Any]:
     for seg in segments:
         if (
             seg["uid"] != uid  # another user's: not ours to judge
-            or seg["age_seconds"] < _YOUNG  # being made right now
-            or seg["mapped_by"]
+            or seg["age_seconds"] < YOUNG  # being made right now
+            or seg["used_by"]
             or seg["name"] in tracked
         ):
             kept.append(seg)
@@ -197,7 +180,7 @@ def _print_info(data: dict[str, Any]) -> None:
     print(f"segments: {len(data['segments'])}")
     for s in data["segments"]:
         owner = f"owner {s['owner_pid']} ({'alive' if s['owner_alive'] else 'dead'})"
-        mapped = f"mapped by {s['mapped_by']}" if s["mapped_by"] else "mapped by no process"
+        mapped = f"mapped or open in {s['used_by']}" if s["used_by"] else "used by no process"
         print(f"  {s['name']}  {_size(s['bytes'])}  {owner}, {mapped}")
 
 

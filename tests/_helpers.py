@@ -110,11 +110,9 @@ def add_rank_in_place(rank, array):
 
 
 def script_env() -> dict:
-    """The environment for a script run as its own process tree: the repository on the
-    path, and not this session's cleanup daemon (the script starts its own)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("PROCSPAWN_MANAGER", None)
-    return env
+    """The environment for a script run as a user would run it: the repository on the
+    path, everything else as it is."""
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 def run_script(

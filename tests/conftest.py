@@ -1,9 +1,11 @@
 """Fixtures: start methods, sharing strategies, and the leak check every test gets.
 
-After each test: no process of ours alive that was not there before (this process is
-made a child subreaper, so orphaned grandchildren are reparented here and counted too),
-no new ``/dev/shm/procspawn_*`` file, and no new open descriptor. OS state takes a moment
-to settle after a kill, so each check waits a few seconds before it fails.
+After each test, looked at from outside as a user would, with nothing of procspawn called
+first and procspawn's environment left as it is: no process of ours alive that was not
+there before (this process is made a child subreaper, so orphaned grandchildren are
+reparented here and counted too), no new ``/dev/shm/procspawn_*`` file, no new shared
+mapping in ``/proc/self/maps`` and no new open descriptor in ``/proc/self/fd``. OS state
+takes a moment to settle after a kill, so each check waits a few seconds before it fails.
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def _fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
+def _shared_mappings() -> set[str]:
+    """This process' mappings of shared-memory files (/dev/shm names and memfds)."""
+    with open("/proc/self/maps") as f:
+        return {
+            line.split()[0] + " " + line.split(None, 5)[-1].strip()
+            for line in f
+            if "/dev/shm/" in line or "/memfd:" in line
+        }
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_setup():
     libc = ctypes.CDLL(None, use_errno=True)
@@ -83,18 +95,18 @@ def _session_setup():
 @pytest.fixture(autouse=True)
 def leak_check():
     """Fail a test that leaves a process, a shared segment or a descriptor behind."""
-    children, segments, fds = _children(), _segments(), _fds()
+    children, segments, fds, maps = _children(), _segments(), _fds(), _shared_mappings()
     yield
     deadline = time.monotonic() + _PATIENCE
     while True:
         gc.collect()
-        # Received segments kept mapped for reuse are a bounded cache, not a leak (their
-        # bound and their release are tested in test_sharing): let go of them first.
-        procspawn.sharing.release_unused()
         new_children = _children() - children
         new_segments = _segments() - segments
         new_fds = _fds() - fds
-        if not (new_children or new_segments or new_fds) or time.monotonic() > deadline:
+        new_maps = _shared_mappings() - maps
+        if not (new_children or new_segments or new_fds or new_maps):
+            break
+        if time.monotonic() > deadline:
             break
         time.sleep(0.05)
     for pid in new_children:  # do not let one leak cascade into the next tests
@@ -108,6 +120,8 @@ def leak_check():
         except FileNotFoundError:
             pass
     problems = []
+    if new_maps:
+        problems.append(f"shared mappings left: {sorted(new_maps)}")
     if new_children:
         problems.append(f"child processes left alive: {sorted(new_children)}")
     if new_segments:

@@ -56,7 +56,7 @@ def test_info_json():
         assert data["rlimit_nofile"]["soft"] > 0
         [seg] = [s for s in data["segments"] if s["name"] == mine]
         assert seg["owner_pid"] == os.getpid() and seg["owner_alive"]
-        assert os.getpid() in seg["mapped_by"]
+        assert os.getpid() in seg["used_by"]
         assert seg["bytes"] >= held.nbytes
         [daemon] = [d for d in data["daemons"] if d["address"] == _manager.ensure()]
         assert mine in daemon["names"] and daemon["clients"] >= 1
@@ -86,16 +86,21 @@ def test_cleanup_dry_run_then_for_real(stray):
         mp.set_sharing_strategy("file_descriptor")
 
 
-def test_cleanup_keeps_what_a_daemon_tracks_even_if_unmapped():
-    # a message in flight: nobody maps the segment, but the daemon knows it
+def test_a_message_in_flight_survives_cleanup():
+    # The sender let go of the array after putting it: nobody maps the segment and its
+    # name is gone, but the message carries its descriptor, so cleanup cannot hurt it.
     mp.set_sharing_strategy("file_system")
     try:
         q = mp.SimpleQueue()
-        q.put(sharing.zeros(100_000))  # sent, then the sender's array is gone
+        sent = sharing.zeros(100_000)
+        sent[:] = 5
         [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        q.put(sent)
+        del sent
+        assert not os.path.exists(f"/dev/shm/{name}")  # the last holder unlinked it
         result = json.loads(_cli("cleanup", "--json").stdout)
         assert name not in [s["name"] for s in result["freed"]]
-        assert q.get().shape == (100_000,)
+        assert q.get().sum() == 500_000
         q.close()
     finally:
         mp.set_sharing_strategy("file_descriptor")

@@ -35,38 +35,49 @@ def _sid(pid):
         return int(f.read().rsplit(")", 1)[1].split()[3])
 
 
-def test_segments_of_sigkilled_ranks_are_freed_after_the_tree_exits(start_method):
+def test_a_long_lived_parent_gets_back_what_killed_ranks_held(start_method):
+    # A parent that keeps running (a notebook, a trainer restarting failed ranks) runs 10
+    # rounds of spawn in which every rank maps the parent's array, makes one of its own
+    # and is SIGKILLed: after each round /dev/shm is back to the parent's own array within
+    # 2 s, while the parent lives and still holds that array.
     code = textwrap.dedent(
         f"""
-        import os, json, signal
+        import os, signal, time
         import procspawn as mp
         from procspawn import sharing
-        from procspawn.sharing import _manager
 
         def work(rank, data):
             keep = sharing.zeros(10_000)   # this rank's own segment, never released
+            data[rank] += 1
             os.kill(os.getpid(), signal.SIGKILL)
+
+        def names():
+            return sorted(n for n in os.listdir("/dev/shm") if n.startswith("procspawn_"))
 
         if __name__ == "__main__":
             mp.set_sharing_strategy("file_system")
+            baseline = names()
             data = sharing.zeros(100_000)
-            try:
-                mp.spawn(work, args=(data,), nprocs=2, start_method={start_method!r})
-            except mp.ProcessExitedException as exc:
-                print(exc.signal_name)
-            print(os.environ[_manager.ENV])
-            print(sorted(n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")))
+            mine = sorted(set(names()) - set(baseline))
+            for round in range(10):
+                try:
+                    mp.spawn(work, args=(data,), nprocs=2, start_method={start_method!r})
+                except mp.ProcessExitedException as exc:
+                    assert exc.signal_name == "SIGKILL", exc
+                deadline = time.monotonic() + 2.0
+                while sorted(set(names()) - set(baseline)) != mine:
+                    if time.monotonic() > deadline:
+                        print("left after round", round, sorted(set(names()) - set(baseline)))
+                        raise SystemExit(1)
+                    time.sleep(0.02)
+            print(int(data[0]) >= 1, len(mine))
         """
     )
     before = _segments()
     result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
-    assert result.returncode == 0, result.stderr
-    signal_name, address, left = result.stdout.splitlines()
-    assert signal_name == "SIGKILL"
-    assert address.startswith(f"procspawn-{os.getuid()}-")
-    assert eval(left), "the killed ranks' segments should exist while the tree runs"
-    assert _wait(lambda: not (_segments() - before)), "the daemon did not free them"
-    assert _manager.query(address) is None  # and it exited
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.split() == ["True", "1"]
+    assert _wait(lambda: not (_segments() - before)), "the parent's own array outlived it"
 
 
 def test_join_returns_promptly_after_a_file_system_producer_exits():
@@ -166,9 +177,15 @@ def test_killed_daemon_is_replaced_and_names_registered_again():
         a = sharing.zeros(1000)
         address = _manager.ensure()
 
+        def cmdline(pid):
+            try:  # a process listed a moment ago may be gone by now
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    return f.read().decode(errors="replace")
+            except OSError:
+                return ""
+
         def daemons():
-            return [int(e) for e in os.listdir("/proc") if e.isdigit()
-                    and address in open(f"/proc/{e}/cmdline", "rb").read().decode(errors="replace")]
+            return [int(e) for e in os.listdir("/proc") if e.isdigit() and address in cmdline(e)]
 
         [old] = daemons()
         os.kill(old, signal.SIGKILL)

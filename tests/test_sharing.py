@@ -501,9 +501,9 @@ def test_threads_sending_one_file_system_segment_keep_the_count_right():
         for t in threads:
             t.join(60)
         assert len(got) == 800
-        from procspawn.sharing._file_system import adjust_refcount
+        from procspawn.sharing._manager_main import holders
 
-        assert adjust_refcount(name, 0) == 1  # only this process' own reference is left
+        assert holders(name) == [os.getpid()]  # this process, once: it maps it once
         del got
         for r, w in pipes:
             r.close()
@@ -560,93 +560,6 @@ def test_get_with_timeout_does_not_hang_on_a_half_sent_message():
         q.get_nowait()
     q.close()
     q.join_thread()
-
-
-# -- received segments kept mapped for reuse (file_descriptor) ---------------------------
-
-
-def _send_rounds(q, count, rounds):
-    arrays = [sharing.zeros(4096, np.uint8) for _ in range(count)]
-    for i, a in enumerate(arrays):
-        a[:] = i
-    for _ in range(rounds):
-        for a in arrays:
-            q.put(a)
-    q.close()
-    q.join_thread()
-
-
-def _receive_dropping(count, rounds, monkeypatch):
-    """Start a producer of ``count`` shared arrays sent ``rounds`` times; get each and drop
-    it before the next. Returns (first bytes seen, how many times a segment was mapped)."""
-    from procspawn.sharing import _segment
-
-    maps = []
-    real_map_fd = _segment.map_fd
-    monkeypatch.setattr(_segment, "map_fd", lambda *a: maps.append(a) or real_map_fd(*a))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_send_rounds, args=(q, count, rounds))
-    p.start()
-    seen = []
-    for _ in range(count * rounds):
-        x = q.get(timeout=30)
-        seen.append(int(x[-1]))
-        del x
-    p.join(60)
-    assert p.exitcode == 0
-    q.close()
-    q.join_thread()
-    return seen, len(maps)
-
-
-def test_a_dropped_segment_stays_mapped_for_the_next_message(monkeypatch, strategy):
-    from procspawn.sharing import _segment
-
-    sharing.release_unused()
-    before = len(os.listdir("/proc/self/fd"))
-    names = set(os.listdir("/dev/shm"))
-    seen, maps = _receive_dropping(1, 20, monkeypatch)
-    assert seen == [0] * 20
-    assert maps == 1  # mapped once, then reused: no mmap/munmap per message
-    assert len(_segment._kept) == 1
-    (kept,) = _segment._kept.values()
-    if strategy == "file_descriptor":
-        assert len(os.listdir("/proc/self/fd")) == before + 1  # its memfd, kept with it
-    else:  # the producer has exited: our reference keeps the name, and no descriptor
-        assert len(os.listdir("/proc/self/fd")) == before
-        assert set(os.listdir("/dev/shm")) - names == {kept.name}
-    del kept
-    assert sharing.release_unused() == 1
-    assert len(os.listdir("/proc/self/fd")) == before
-    assert set(os.listdir("/dev/shm")) - names == set()  # the last reference unlinked it
-    assert sharing.release_unused() == 0
-
-
-def test_segments_kept_mapped_are_bounded_by_bytes_and_count(monkeypatch):
-    from procspawn.sharing import _segment
-
-    sharing.release_unused()
-    monkeypatch.setattr(_segment, "_keep_budget", 3 * 4096)
-    seen, maps = _receive_dropping(10, 1, monkeypatch)
-    assert seen == list(range(10))
-    assert len(_segment._kept) == 3 and _segment._kept_bytes == 3 * 4096
-    sharing.release_unused()
-    monkeypatch.undo()
-    _receive_dropping(_segment._KEEP_COUNT + 8, 1, monkeypatch)
-    assert len(_segment._kept) == _segment._KEEP_COUNT
-    sharing.release_unused()
-    assert not _segment._kept and _segment._kept_bytes == 0
-
-
-def test_keeping_segments_mapped_can_be_turned_off(monkeypatch):
-    from procspawn.sharing import _segment
-
-    sharing.release_unused()
-    monkeypatch.setattr(_segment, "_keep_budget", 0)
-    seen, maps = _receive_dropping(1, 5, monkeypatch)
-    assert seen == [0] * 5 and maps == 5
-    assert not _segment._kept
 
 
 def test_put_sends_itself_in_order_and_hands_a_full_socket_to_the_feeder(monkeypatch, strategy):
@@ -762,15 +675,6 @@ def test_arrays_outside_segments_pickle_through_multiprocessing_as_numpy_pickles
     assert data == pickle.dumps(plain, protocol=4)
     back = ForkingPickler.loads(data)
     assert back.tolist() == plain.tolist() and not sharing.is_shared(back)
-
-
-def test_keep_mapped_budget_comes_from_the_environment():
-    code = "from procspawn.sharing import _segment; print(_segment._keep_budget)"
-    assert run_script(code).stdout.split() == [str(64 << 20)]
-    assert run_script(code, env_extra={"PROCSPAWN_KEEP_MAPPED_BYTES": "0"}).stdout.split() == ["0"]
-    bad = run_script(code, env_extra={"PROCSPAWN_KEEP_MAPPED_BYTES": "lots"})
-    assert bad.returncode != 0
-    assert "PROCSPAWN_KEEP_MAPPED_BYTES='lots' is not a number of bytes" in bad.stderr
 
 
 def _put_and_exit(q):

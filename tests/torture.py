@@ -14,7 +14,14 @@ or nothing. Then it checks, with every wait bounded:
 * failed workload: when only the daemon was killed (or nothing), the workload must still
   succeed (exit code 0).
 
-    python tests/torture.py --rounds 1000 [--seed N] [--json out.json]
+With ``--long-lived-parent`` one parent lives over every round, as a notebook or a
+trainer that restarts failed ranks does: it holds a file_system array of its own the
+whole time and runs each round's workload with ``spawn``; the harness kills the
+producer, the consumer, the daemon or nothing, and checks /dev/shm *while the parent
+lives*: after each round only the parent's own array may be left. The parent is killed
+last (SIGKILL), and then nothing at all may be left.
+
+    python tests/torture.py --rounds 1000 [--seed N] [--json out.json] [--long-lived-parent]
 
 The test suite runs a short version (tests/test_torture.py).
 """
@@ -81,6 +88,45 @@ def workload(strategy, method, items, pid_dir):
     queue.join_thread()
 
 
+def _publish(path, text):
+    """Write ``text`` to ``path`` whole or not at all (the other side polls for it)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def long_lived_parent(control_dir):
+    """Run every round the harness asks for (``go<N>``: strategy, method, items, pid
+    directory; ``stop`` ends) and report its outcome (``done<N>``), holding one
+    file_system array of its own all along."""
+    import procspawn as mp
+    from procspawn import sharing
+
+    mp.set_sharing_strategy("file_system")
+    own = sharing.zeros(1000)
+    own[:] = 7
+    mine = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+    _publish(os.path.join(control_dir, "own"), json.dumps(mine))
+    n = 0
+    while True:
+        go = os.path.join(control_dir, f"go{n}")
+        while not os.path.exists(go):
+            time.sleep(0.01)
+        with open(go) as f:
+            command = json.load(f)
+        if command == "stop":
+            return
+        try:
+            workload(*command)
+            outcome = "ok"
+        except Exception as exc:  # a rank was killed: the round fails, the parent goes on
+            outcome = type(exc).__name__
+        mp.set_sharing_strategy("file_system")
+        outcome += "" if float(own.sum()) == 7000.0 else " own array damaged"
+        _publish(os.path.join(control_dir, f"done{n}"), outcome)
+        n += 1
+
+
 # -- the harness ------------------------------------------------------------------------
 
 
@@ -142,7 +188,6 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     before_segments = _segments()
     before_daemons = set(_daemon_pids())
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_MANAGER_GRACE=str(GRACE))
-    env.pop("PROCSPAWN_MANAGER", None)  # each round is a tree of its own, with its own daemon
     code = (
         "import sys, torture; "
         f"torture.workload({strategy!r}, {method!r}, {rng.randint(20, 60)}, {pid_dir!r})"
@@ -208,12 +253,127 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     return result
 
 
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(path: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: float) -> list:
+    """Every round under one living parent; the parent killed last. One result a round,
+    and a last one for the parent's death."""
+    control = os.path.join(workdir, "control")
+    os.mkdir(control)
+    before_segments = _segments()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_MANAGER_GRACE=str(GRACE))
+    log = open(os.path.join(control, "stderr"), "w+")  # noqa: SIM115 (closed below)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import torture; torture.long_lived_parent({control!r})"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
+    results = []
+    try:
+        if not _wait_for(os.path.join(control, "own"), hang_after):
+            raise RuntimeError("the long-lived parent did not start")
+        with open(os.path.join(control, "own")) as f:
+            own = set(json.load(f))
+        for n in range(rounds):
+            strategy = rng.choice(["file_descriptor", "file_system"])
+            method = rng.choice(["spawn", "fork", "forkserver"])
+            target = rng.choice(["producer", "consumer", "daemon", "none"])
+            pid_dir = os.path.join(workdir, f"round{n}")
+            os.mkdir(pid_dir)
+            command = [strategy, method, rng.randint(20, 60), pid_dir]
+            _publish(os.path.join(control, f"go{n}"), json.dumps(command))
+            result = {"strategy": strategy, "method": method, "target": target, "killed": None}
+            ranks = [os.path.join(pid_dir, f"rank{r}") for r in (0, 1)]
+            for path in ranks:
+                _wait_for(path, hang_after)
+            time.sleep(rng.uniform(0, 0.4))
+            victim = None
+            if target in ("producer", "consumer"):
+                victim = _read_pid(ranks[0] if target == "producer" else ranks[1])
+            elif target == "daemon":
+                daemons = [p for p in _daemon_pids() if _alive(p)]
+                victim = daemons[0] if daemons else None
+            if victim is not None:
+                try:
+                    os.kill(victim, signal.SIGKILL)
+                    result["killed"] = target
+                except ProcessLookupError:
+                    result["killed"] = "finished first"
+            done = os.path.join(control, f"done{n}")
+            result["hang"] = not _wait_for(done, hang_after)
+            if result["hang"]:
+                results.append({**result, "failed": True, "orphans": 0, "leaks": 0})
+                break
+            with open(done) as f:
+                outcome = f.read()
+            result["failed"] = "damaged" in outcome or (
+                result["killed"] in ("daemon", "none", "finished first") and outcome != "ok"
+            )
+            end = time.monotonic() + 5
+            while any(_alive(_read_pid(p)) for p in ranks) and time.monotonic() < end:
+                time.sleep(0.05)
+            result["orphans"] = sum(_alive(_read_pid(p)) for p in ranks)
+            # while the parent lives: nothing but its own array may be left
+            end = time.monotonic() + 5
+            while (_segments() - before_segments - own) and time.monotonic() < end:
+                time.sleep(0.05)
+            result["leaks"] = len(_segments() - before_segments - own)
+            result["own_kept"] = own <= _segments()
+            result["failed"] = result["failed"] or not result["own_kept"]
+            results.append(result)
+    finally:
+        parent.kill()  # the parent is killed last
+        parent.wait()
+    last = {"target": "parent (last)", "killed": "parent", "hang": False, "failed": False}
+    end = time.monotonic() + GRACE + 10
+    while (_children() or _segments() - before_segments) and time.monotonic() < end:
+        time.sleep(0.05)
+    last["orphans"] = len(_children())
+    for pid in _children():
+        os.kill(pid, signal.SIGKILL)
+    leaked = _segments() - before_segments
+    last["leaks"] = len(leaked)
+    for name in leaked:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
+    log.seek(0)
+    if any(r["failed"] or r["hang"] for r in results):
+        last["stderr"] = log.read()[-2000:]
+    log.close()
+    return results + [last]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--hang-after", type=float, default=60.0)
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument(
+        "--long-lived-parent",
+        action="store_true",
+        help="one parent over every round, /dev/shm checked while it lives",
+    )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
@@ -225,8 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="procspawn-torture-") as workdir:
-        for i in range(args.rounds):
-            r = run_round(rng, workdir, args.hang_after)
+        if args.long_lived_parent:
+            each = run_long_lived(rng, workdir, args.rounds, args.hang_after)
+        else:
+            each = (run_round(rng, workdir, args.hang_after) for _ in range(args.rounds))
+        for i, r in enumerate(each):
             totals["rounds"] += 1
             kills[r["killed"] or "none"] += 1
             totals["leaks"] += r["leaks"]
@@ -236,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             if r["leaks"] or r["orphans"] or r["hang"] or r["failed"]:
                 bad.append({"round": i, **r})
     figures = {
+        "mode": "long-lived parent" if args.long_lived_parent else "a parent per round",
         "seed": seed,
         **totals,
         "kills": dict(kills),

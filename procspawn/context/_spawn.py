@@ -54,7 +54,7 @@ def _check(fn: Any, args: Any, nprocs: Any, start_method: Any) -> tuple[Any, ...
 def _pickle_payload(fn: Any, args: tuple[Any, ...], config: dict[str, Any]) -> StartupMessage:
     deferred: list[Any] = []
     try:
-        message = _pickler.dumps((fn, args, config), inflight=False, deferred=deferred)
+        message = _pickler.dumps((fn, args, config), deferred=deferred)
     except Exception as exc:
         _raise_pickling_error(fn, args, exc)
     return StartupMessage(message, deferred)
@@ -64,7 +64,7 @@ def _raise_pickling_error(fn: Any, args: tuple[Any, ...], exc: Exception) -> Non
     """Name the culprit: fn, or args[i] with its type."""
     for what, obj in [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]:
         try:
-            _pickler.dumps(obj, inflight=False, deferred=[]).close()
+            _pickler.dumps(obj, deferred=[]).close()
         except Exception as err:
             raise pickle.PicklingError(
                 f"spawn(): {what} (of type {type(obj).__module__}.{type(obj).__qualname__}) "

@@ -1,5 +1,40 @@
 """Moving data between processes: arrays through shared memory, pluggable strategies.
 
+The lifetime rule
+-----------------
+A shared segment is held by the arrays over it (any view, in any process) and by the
+messages that carry it while they are in flight, and by nothing else. When the last
+holder lets go, or the last process holding it dies in any way (SIGKILL included), its
+memory goes back and, under ``file_system``, its name leaves /dev/shm within seconds,
+while every other process of the program goes on. No cache keeps a segment past its last
+array: a receiver maps each segment once (two handles to one segment give arrays that
+share memory) and holds that mapping weakly.
+
+How each strategy keeps the rule: ``file_descriptor`` segments are anonymous memfds, freed
+by the kernel when their last descriptor and mapping are gone. ``file_system`` segments
+count the processes that map them and the last one unlinks the name; a per-tree cleanup
+daemon drops what a dead process held, and the next daemon (or ``procspawn cleanup``)
+sweeps what a tree killed whole left behind. Both kinds of message carry the segment's
+descriptor, so a message keeps its memory alive by itself, after its sender exited too.
+
+Layout, in levels: a module imports only from the levels below it.
+
+======  ==========================================================================
+level   modules
+======  ==========================================================================
+0       ``_limits`` (errors, fd limit, reserving space), ``_message`` (a message's
+        descriptors, per thread), ``_registry`` (reducer table, plug-ins as data),
+        ``_manager_main`` (the daemon: names, counts, sweeping; stdlib only)
+1       ``_segment`` (a mapping and its release), ``_mapcache`` (one Segment per key
+        per process, weakly), ``_manager`` (the daemon's client, the tree address),
+        ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS)
+2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``
+3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout)
+4       ``_reductions`` (ndarray reducers: procspawn and stdlib channels), ``_arrays``
+5       ``_pickler`` (``dumps`` / ``loads``)
+6       ``_connection``, ``_queues``, ``_startup`` (channels, the start-up message)
+======  ==========================================================================
+
 Names are imported on first use; NumPy is imported only with the array helpers.
 """
 
@@ -11,10 +46,11 @@ from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._arrays import empty, is_shared, share_memory_, zeros
-    from ._fdpass import FdLimitError
-    from ._pickler import attach_fd, dumps, loads, received_fd, register
-    from ._resources import SharedMemoryFullError
-    from ._segment import Segment, release_unused
+    from ._limits import FdLimitError, SharedMemoryFullError
+    from ._message import attach_fd, received_fd
+    from ._pickler import dumps, loads
+    from ._registry import register
+    from ._segment import Segment
     from ._strategy import (
         SharingStrategy,
         get_all_sharing_strategies,
@@ -24,21 +60,20 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 _LAZY = {
-    "FdLimitError": "._fdpass",
+    "FdLimitError": "._limits",
     "Segment": "._segment",
-    "SharedMemoryFullError": "._resources",
+    "SharedMemoryFullError": "._limits",
     "SharingStrategy": "._strategy",
-    "attach_fd": "._pickler",
+    "attach_fd": "._message",
     "dumps": "._pickler",
     "empty": "._arrays",
     "get_all_sharing_strategies": "._strategy",
     "get_sharing_strategy": "._strategy",
     "is_shared": "._arrays",
     "loads": "._pickler",
-    "received_fd": "._pickler",
-    "register": "._pickler",
+    "received_fd": "._message",
+    "register": "._registry",
     "register_strategy": "._strategy",
-    "release_unused": "._segment",
     "set_sharing_strategy": "._strategy",
     "share_memory_": "._arrays",
     "zeros": "._arrays",

@@ -1,4 +1,4 @@
-"""The public array helpers: empty, zeros, is_shared, share_memory_."""
+"""Level 4: the public array helpers: empty, zeros, is_shared, share_memory_."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ._reductions import copy_to_segment, empty_like_in_segment
+from ._ndarray import copy_to_segment, empty_like_in_segment
 from ._segment import segment_of
 
 

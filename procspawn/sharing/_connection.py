@@ -1,4 +1,4 @@
-"""Connection and Pipe over a UNIX socket, through procspawn's pickler.
+"""Level 6: Connection and Pipe over a UNIX socket, through procspawn's pickler.
 
 Like ``multiprocessing.connection.Connection`` (send/recv/poll/send_bytes/recv_bytes/
 close), but every message is a procspawn message: arrays travel as shared-memory handles
@@ -14,7 +14,7 @@ import socket
 from multiprocessing.connection import wait
 from typing import Any
 
-from . import _pickler
+from . import _message, _pickler
 from ._fdpass import MessageReader, recv_message, send_message, send_rest, try_send_message
 
 
@@ -90,15 +90,15 @@ class Connection:
         data, fds = recv_message(self._reader)
         return _pickler.loads(data, fds)
 
-    def send_message(self, message: _pickler.Message) -> None:
+    def send_message(self, message: _message.Message) -> None:
         """Send an already pickled message (the caller closes it)."""
         send_message(self._check(writing=True), message.data, message.fds)
 
-    def try_send_message(self, message: _pickler.Message) -> int:
+    def try_send_message(self, message: _message.Message) -> int:
         """Send without blocking; how many bytes went (see ``_fdpass.try_send_message``)."""
         return try_send_message(self._check(writing=True), message.data, message.fds)
 
-    def send_rest(self, message: _pickler.Message, sent: int) -> None:
+    def send_rest(self, message: _message.Message, sent: int) -> None:
         """Finish (blocking) a message ``try_send_message`` sent ``sent`` bytes of."""
         send_rest(self._check(writing=True), message.data, len(message.fds), sent)
 
@@ -139,7 +139,7 @@ class Connection:
 
     def __reduce__(self):
         sock = self._check()
-        state = getattr(_pickler._local, "send", None)
+        state = _message.sending_or_none()
         if state is not None:  # inside a procspawn message: a duplicate rides along, so
             # closing this Connection before the message is sent changes nothing
             dup = _OwnedFd(os.dup(sock.fileno()))
@@ -167,7 +167,7 @@ def _from_fd(fd: int, readable: bool, writable: bool) -> Connection:
 
 
 def _rebuild_from_message(index: int, readable: bool, writable: bool) -> Connection:
-    return _from_fd(os.dup(_pickler.receiving()[index]), readable, writable)
+    return _from_fd(os.dup(_message.received_fd(index)), readable, writable)
 
 
 def _rebuild_from_dupfd(dupfd: Any, readable: bool, writable: bool) -> Connection:
@@ -184,4 +184,4 @@ def Pipe(duplex: bool = True) -> tuple[Connection, Connection]:
     return Connection(a, writable=False), Connection(b, readable=False)
 
 
-_pickler._extra_deferred.append(Connection)
+_pickler.defer_at_start(Connection)

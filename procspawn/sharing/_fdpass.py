@@ -1,4 +1,4 @@
-"""Messages with file descriptors attached, over a UNIX stream socket.
+"""Level 1: messages with file descriptors attached, over a UNIX stream socket.
 
 Every procspawn channel (spawn results, Queue, SimpleQueue, Pipe, Pool) moves *messages*:
 a pickle plus the file descriptors its shared segments need. The descriptors travel with
@@ -26,13 +26,12 @@ from __future__ import annotations
 import array
 import errno
 import os
-import resource
 import socket
 import struct
 import time
 from multiprocessing.connection import wait
 
-from ._resources import raise_fd_limit
+from ._limits import FdLimitError, raise_fd_limit
 
 _HEADER = struct.Struct("<4sQI")
 _MAGIC = b"PSPN"
@@ -40,31 +39,6 @@ _MAX_FDS_PER_MSG = 253
 _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * array.array("i").itemsize)
 _FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: IntFlag arithmetic is slow on a hot path
-
-
-class FdLimitError(OSError):
-    """This process ran out of file descriptors while receiving shared arrays.
-
-    Under the ``file_descriptor`` strategy every live shared segment holds one descriptor.
-    Raise the limit (``ulimit -n``) or switch to the ``file_system`` strategy, where a live
-    array holds none: ``procspawn.set_sharing_strategy("file_system")``.
-    """
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        super().__init__(
-            errno.EMFILE,
-            f"too many open files: {what}, because this process is at its limit "
-            f"(RLIMIT_NOFILE soft={soft}, hard={hard}). Each live array shared under the "
-            f"'file_descriptor' strategy holds one descriptor. Fix: raise the limit "
-            f"(`ulimit -n {max(hard, soft * 4)}`) or call "
-            f"procspawn.set_sharing_strategy('file_system'), which holds no descriptor "
-            f"per array.",
-        )
-
-    def __reduce__(self):
-        return (FdLimitError, (self.what,))
 
 
 class ChannelClosed(EOFError):

@@ -1,10 +1,16 @@
-"""The ``file_descriptor`` strategy (Linux): anonymous memfd segments.
+"""Level 2: the ``file_descriptor`` strategy (Linux): anonymous memfd segments.
 
 Nothing is named, so nothing can leak: the kernel frees a segment when its last
 descriptor and last mapping are gone, whoever dies how. The memfd travels with each
-message (SCM_RIGHTS on procspawn channels, DupFd at process start). Every live segment
-keeps exactly one descriptor in each process that maps it (to send it on); the mapping
-itself holds none.
+message (SCM_RIGHTS on procspawn channels, DupFd at process start), so a message keeps
+its segments alive by itself, after its sender exited too. Every live segment keeps
+exactly one descriptor in each process that maps it (to send it on); the mapping itself
+holds none.
+
+No space is reserved up front (``ftruncate``, not ``posix_fallocate``): a memfd lives in
+the kernel's internal shared-memory mount, which has no size of its own to run out of,
+so its pages are allocated as they are first touched, like any other memory (a fresh
+64 MiB array that is written sparsely costs a few pages, not 64 MiB of zeroing).
 """
 
 from __future__ import annotations
@@ -15,10 +21,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from . import _pickler
-from ._fdpass import FdLimitError
-from ._resources import raise_fd_limit, reserve
-from ._segment import Segment, keep_mapped
+from . import _message
+from ._limits import FdLimitError, raise_fd_limit
+from ._segment import Segment
 from ._strategy import SharingStrategy
 
 
@@ -48,7 +53,7 @@ class FileDescriptorStrategy(SharingStrategy):
         with _fd_limit("a new shared-memory segment could not be created"):
             fd = os.memfd_create("procspawn", os.MFD_CLOEXEC)
         try:
-            reserve(fd, max(nbytes, 1), "a memfd segment", None)
+            os.ftruncate(fd, max(nbytes, 1))
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
@@ -57,16 +62,8 @@ class FileDescriptorStrategy(SharingStrategy):
 
     def reduce(self, segment: Segment) -> Any:
         # the key travels too: the receiver needs no fstat to know the segment
-        return (_pickler.sending().add_fd(segment.fd, segment), segment.size, segment.key)
+        return (_message.sending().add_fd(segment.fd, segment), segment.size, segment.key)
 
     def rebuild(self, handle: Any) -> Segment:
         index, size, key = handle
-        segment = _segment(_pickler.take_fd(index), size, key)
-        segment.received = True
-        keep_mapped(segment)
-        return segment
-
-    def adopt_cached(self, handle: Any, segment: Segment) -> None:
-        # the received duplicate is not needed (loads() closes it)
-        if segment.received:
-            keep_mapped(segment)
+        return _segment(_message.take_fd(index), size, key)

@@ -1,179 +1,205 @@
-"""The ``file_system`` strategy: named segments in /dev/shm with a cross-process refcount.
+"""Level 2: the ``file_system`` strategy: named segments in /dev/shm that know their holders.
 
-Layout of ``/dev/shm/procspawn_<pid>_<random>`` (created O_EXCL, mode 0600)::
+``/dev/shm/procspawn_<pid>_<random>`` (created O_EXCL, mode 0600; layout in
+``_manager_main``) lists the pids of the processes that map it. A process adds itself
+when it maps the segment and removes itself when the last array over it is gone; the
+last one unlinks the name. A live array holds no descriptor: this is the strategy for low fd
+limits and very many arrays. Space is reserved when a segment is made
+(``posix_fallocate``): /dev/shm is a sized tmpfs (64 MiB in a default Docker container),
+and a full one must fail at allocation, not as a bus error later.
 
-    [0:8)    reference count, int64 little endian, changed only under flock(LOCK_EX) on
-             a descriptor opened for that one update: the lock belongs to that open file,
-             so threads of one process exclude each other too, and the kernel drops it if
-             its holder dies mid-update
-    [8:64)   unused
-    [64:)    the data, 64-byte aligned
+A message carries a descriptor of each segment, opened for that message (SCM_RIGHTS on
+procspawn channels, DupFd on the stdlib's), and the receiver maps that descriptor, not
+the name. So a message keeps the memory alive for as long as it waits, after its sender
+exited too; if every holder let go meanwhile and the name is gone, the receiver maps the
+memory all the same and keeps the descriptor, as a memfd segment does (nothing named is
+left to leak). A message carries at most ``FDS_PER_MESSAGE`` descriptors: further
+segments (a batch of hundreds) travel by name, each with a slot of the message's own
+among the holders, which the receiver takes over; such a message outlives its sender
+too, and if it is never received its segments go when the tree's daemon exits.
 
-Who holds a reference: the creating process; every other process that maps the segment;
-every message in flight (the sender takes it while pickling, the receiver adopts it, or
-drops it when it already maps the segment). The last release unlinks the name. No
-descriptor is kept once the segment is mapped: a live array costs none, which makes this
-the strategy for low fd limits and very many arrays.
-
-Segments are opened by name with O_NOFOLLOW and used only if they are regular files of
-this user with mode 0600: a name planted by someone else in the shared /dev/shm is refused.
-
-Names that a process that dies leaves behind are for the cleanup daemon (``_manager``): a
-process registers every name before it creates or maps it, and tells the daemon when the
-last reference unlinked it.
+The cleanup daemon (``_manager``) knows which process holds which name: a process
+registers a name before it creates or maps it and tells the daemon after it removed
+itself from the holders, and the daemon removes a dead process from the holders of every
+name it registered. Segments are opened by name
+with O_NOFOLLOW and used only if they are regular files of this user with mode 0600.
 """
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import os
 import secrets
-import stat
-import struct
 from typing import Any
 
-from . import _manager, _pickler
-from ._resources import reserve
-from ._segment import Segment, keep_mapped
+from .. import _log
+from . import _manager, _message
+from ._limits import FdLimitError, reserve
+from ._manager_main import (
+    HEADER,
+    PREFIX,
+    SHM_DIR,
+    adopt,
+    drop_inflight,
+    first_holder,
+    hold,
+    let_go,
+    open_segment,
+    segment_path,
+)
+from ._segment import Segment
 from ._strategy import SharingStrategy
-
-SHM_DIR = "/dev/shm"
-PREFIX = "procspawn_"
-_HEADER = 64
-_COUNT = struct.Struct("<q")
-
-
-def _path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
-
-
-def _open(name: str) -> int:
-    """Open an existing segment read-write, refusing anything procspawn did not make."""
-    fd = os.open(_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o777 != 0o600:
-        os.close(fd)
-        raise PermissionError(
-            f"{_path(name)} is not a procspawn segment of this user (a regular file of uid "
-            f"{os.getuid()} with mode 0600); refusing to map it"
-        )
-    return fd
-
-
-def adjust_refcount(name: str, delta: int, fd: int | None = None) -> int:
-    """Add ``delta`` to a segment's reference count; unlink it when it reaches 0.
-
-    Returns the new count (0 if the segment is gone already).
-    """
-    own = fd is None
-    if own:
-        try:
-            fd = _open(name)
-        except FileNotFoundError:
-            return 0
-    assert fd is not None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            (count,) = _COUNT.unpack(os.pread(fd, _COUNT.size, 0))
-            count += delta
-            os.pwrite(fd, _COUNT.pack(count), 0)
-            if count <= 0:
-                os.unlink(_path(name))
-            return count
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        if own:
-            os.close(fd)
 
 
 def _release(name: str) -> None:
-    count = adjust_refcount(name, -1)
-    _manager.released(name, unlinked=count <= 0)
+    let_go(name)
+    _manager.released(name)
+    _log.debug("released %s", name)
 
 
-def _drop_inflight(name: str) -> None:
-    # the reference a message took for a receiver that will never come
-    if adjust_refcount(name, -1) <= 0:
-        _manager.released(name, unlinked=True)
-
-
-def _map(fd: int, name: str, size: int) -> Segment:
+def _map_named(fd: int, name: str, size: int) -> Segment:
     segment = Segment.map(
         fd,
         size,
         strategy="file_system",
         key=name,
-        header=_HEADER,
+        header=HEADER,
         on_release=lambda: _release(name),
     )
     segment.name = name
     return segment
 
 
+# Descriptors one message carries at most: a batch of many segments travels by name
+# beyond that, so neither end of a message needs more than a few descriptors at once
+# (this is the strategy for low fd limits).
+FDS_PER_MESSAGE = 32
+
+
+def _open_for_message(name: str) -> int | None:
+    """A descriptor of ``name`` for the message being pickled, or None to send it by name
+    (out of descriptors)."""
+    try:
+        return open_segment(name)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"shared segment {name} cannot be sent: its name was removed while this "
+            f"process still maps it. Copy the array (np.array(a)) to send it.",
+        ) from None
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            return None
+        raise
+
+
+def _send_by_name(name: str, state: _message.SendState) -> None:
+    """Give the message a slot of its own among the holders, for its receiver to take
+    over; a message that is never sent gives it back."""
+    try:
+        fd = open_segment(name)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError(f"shared segment {name} could not be opened to send it") from None
+        raise
+    try:
+        if not hold(name, fd, inflight=True):
+            raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed meanwhile")
+    finally:
+        os.close(fd)
+    state.on_abandon.append(lambda: drop_inflight(name))
+
+
 class FileSystemStrategy(SharingStrategy):
-    """Named /dev/shm segments with a reference count kept in the segment."""
+    """Named /dev/shm segments that list their holders; messages carry a descriptor."""
 
     def allocate(self, nbytes: int) -> Segment:
         name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
         _manager.register(name)
-        fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(
+                segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
+            )
+        except BaseException:
+            _manager.released(name)
+            raise
         try:
             try:
                 os.fchmod(fd, 0o600)  # whatever the umask: receivers check for exactly 0600
-                reserve(fd, nbytes, SHM_DIR, SHM_DIR, overhead=_HEADER)
-                os.pwrite(fd, _COUNT.pack(1), 0)
-                return _map(fd, name, nbytes)
+                reserve(fd, nbytes, SHM_DIR, SHM_DIR, overhead=HEADER)
+                first_holder(fd)
+                return _map_named(fd, name, nbytes)
             except BaseException:
-                os.unlink(_path(name))
-                _manager.released(name, unlinked=True)
+                os.unlink(segment_path(name))
+                _manager.released(name)
                 raise
         finally:
             os.close(fd)
 
     def reduce(self, segment: Segment) -> Any:
-        state = _pickler.sending()
-        if state.inflight:
-            name: str = segment.name  # type: ignore[assignment]
-            adjust_refcount(name, +1)
-            state.on_abandon.append(lambda: _drop_inflight(name))
-        else:
-            state.keepalive.append(segment)
-        return (segment.name, segment.size, state.inflight)
+        state = _message.sending()
+        if segment.name is None:  # its name was gone when it was received: keeps its fd
+            return (state.add_fd(segment.fd, segment), segment.key, segment.size, False)
+        name = segment.name
+        if len(state.owned) < FDS_PER_MESSAGE:
+            fd = _open_for_message(name)
+            if fd is not None:
+                return (state.give_fd(fd), name, segment.size, True)
+        _send_by_name(name, state)
+        return (None, name, segment.size, True)
 
     def rebuild(self, handle: Any) -> Segment:
-        name, size, inflight = handle
+        index, name, size, named = handle
+        if index is None:
+            return self._rebuild_by_name(name, size)
+        fd = _message.take_fd(index)
+        kept = False
+        try:
+            if named:
+                _manager.register(name)
+                if hold(name, fd):
+                    try:
+                        return _map_named(fd, name, size)
+                    except BaseException:
+                        _release(name)
+                        raise
+                _manager.released(name)  # every holder let go meanwhile: the name is gone
+            # No longer named: the memory lives as long as a descriptor or a mapping does.
+            segment = Segment.map(
+                fd, size, strategy="file_system", key=name, header=HEADER, keep_fd=True
+            )
+            kept = True
+            return segment
+        finally:
+            if not kept:
+                os.close(fd)
+
+    def _rebuild_by_name(self, name: str, size: int) -> Segment:
         _manager.register(name)
         try:
-            fd = _open(name)
+            fd = open_segment(name)
         except BaseException as exc:
-            _manager.released(name, unlinked=False)
+            _manager.released(name)
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(
-                    f"shared segment {name} no longer exists: every process holding it let "
-                    f"go before this message was received"
+                    errno.ENOENT,
+                    f"shared segment {name} no longer exists: it was freed before this "
+                    f"message was received",
                 ) from None
             raise
         try:
-            if not inflight:
-                # the sender keeps it alive until we hold our own reference
-                adjust_refcount(name, +1, fd)
+            if not adopt(name, fd) and not hold(name, fd):
+                _manager.released(name)
+                raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed")
             try:
-                segment = _map(fd, name, size)
+                return _map_named(fd, name, size)
             except BaseException:
-                _release(name)  # ours, or the message's we were adopting
+                _release(name)
                 raise
         finally:
             os.close(fd)
-        segment.received = True
-        keep_mapped(segment)  # as file_descriptor: the next message for it maps nothing
-        return segment
 
     def adopt_cached(self, handle: Any, segment: Segment) -> None:
-        name, _, inflight = handle
-        if inflight:
-            # we hold a reference already (so this never unlinks): drop the message's
-            adjust_refcount(name, -1)
-        if segment.received:
-            keep_mapped(segment)
+        index, name, _, _ = handle
+        if index is None:  # this process holds it already: the message's slot goes back
+            drop_inflight(name)

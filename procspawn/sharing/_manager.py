@@ -1,33 +1,35 @@
-"""Client of the cleanup daemon (see ``_manager_main`` for the protocol).
+"""Level 1: client of the cleanup daemon (see ``_manager_main`` for the protocol).
 
 Every process that makes or maps a named segment tells the daemon of its process tree:
-``register`` before the segment's file exists (so a name is recorded before anyone could
-leak it), and ``released(unlinked=True)`` once the last reference unlinked it. Each is one
-64-byte send on a connection kept open for the life of the process: no round trip on the
-hot path.
+``register`` before it creates or maps the name (so a hold is recorded before anyone could
+leak it), and ``released`` after it dropped its count. Each is one 64-byte send on a
+connection kept open for the life of the process: no round trip on the hot path. When
+the process dies, however it dies, the daemon drops what it still held.
 
-One daemon per tree: the tree's address (an abstract UNIX socket name) is chosen by its
-first process and handed to every child (``PROCSPAWN_MANAGER``), whether or not a daemon
-runs yet. Whoever needs the daemon first binds that address and starts it; binding is
-atomic, so a process that loses the race just connects. If the daemon dies, every client
-notices at once (its connection reads EOF), the first to bind the same address starts a
-new one, and each registers again the names it holds.
+One daemon per tree. A tree is what procspawn starts: its first process chooses the
+address (an abstract UNIX socket name); ranks and procspawn Process/Pool workers get it
+in their start-up message (``adopt_tree``), never through the environment, so a program
+started with ``subprocess`` is a tree of its own. Whoever needs the daemon first binds
+that address and starts it; binding is atomic, so a process that loses the race just
+connects. If the daemon dies, every client notices at once (its connection reads EOF),
+the first to bind the same address starts a new one, and each registers again the names
+it holds.
 """
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+from .. import _log
 from . import _manager_main
-from ._strategy import MANAGER_ENV, tree_address
-
-ENV = MANAGER_ENV
 
 RECORD = _manager_main.RECORD
 _SEND_TIMEOUT = 10.0
@@ -36,7 +38,28 @@ _SEND_TIMEOUT = 10.0
 # on a thread that is inside _send already.
 _lock = threading.RLock()
 _conn: socket.socket | None = None
-_held: set[str] = set()
+_held: collections.Counter[str] = collections.Counter()
+_address: str | None = None
+
+
+def tree_address() -> str:
+    """The address of this process tree's cleanup daemon: handed over by the process that
+    started this one, or chosen here for this process and the ones it starts (no daemon
+    starts until one is needed)."""
+    global _address
+    if _address is None:
+        _address = f"procspawn-{os.getuid()}-{secrets.token_hex(8)}"
+    return _address
+
+
+def adopt_tree(address: str | None) -> None:
+    """Join the tree of the process that started this one (before any segment is mapped)."""
+    global _address
+    if address and address != _address:
+        with _lock:
+            if _conn is not None or _held:
+                return  # joined a tree already; keep its daemon
+            _address = address
 
 
 def _record(op: bytes, name: str) -> bytes:
@@ -85,7 +108,7 @@ def _start_daemon(address: str) -> socket.socket | None:
                 pass_fds=[listener.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stderr=None if _log.ENABLED else subprocess.DEVNULL,
                 close_fds=True,
             )
             proc.wait()  # the middle process exits once the daemon has forked off
@@ -127,10 +150,10 @@ def _send(record: bytes) -> None:
             _conn = None
     conn = _connect_or_start(tree_address())
     _conn = conn
-    for name in _held:
-        conn.sendall(_record(b"R", name))
-    if record[:1] == b"U":
-        conn.sendall(record)
+    for name, count in _held.items():
+        for _ in range(count):
+            conn.sendall(_record(b"R", name))
+    _log.debug("connected to the cleanup daemon @%s", tree_address())
     threading.Thread(
         target=_watch, args=(conn,), name="procspawn-manager-watch", daemon=True
     ).start()
@@ -160,23 +183,23 @@ def _watch(conn: socket.socket) -> None:
 
 
 def register(name: str) -> None:
-    """Record ``name`` with this tree's daemon before its file is created or mapped."""
+    """Record a hold of ``name`` with this tree's daemon before it is created or mapped."""
     with _lock:
-        _held.add(name)
+        _held[name] += 1
         _send(_record(b"R", name))
 
 
-def released(name: str, unlinked: bool) -> None:
-    """This process let go of ``name``; tell the daemon to forget it if it was unlinked
-    (while another process holds it, the daemon must keep it, in case that one dies)."""
+def released(name: str) -> None:
+    """This process dropped its count of ``name``: the daemon forgets the hold."""
     with _lock:
-        _held.discard(name)
-        if not unlinked:
-            return
+        if _held[name] <= 1:
+            _held.pop(name, None)
+        else:
+            _held[name] -= 1
         try:
             _send(_record(b"U", name))
         except OSError:
-            pass  # unlinked already; nothing is lost if the daemon never hears of it
+            pass  # the count is dropped already; a new daemon only hears of what is held
 
 
 def query(address: str, timeout: float = 5.0) -> list[str] | None:

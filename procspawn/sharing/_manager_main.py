@@ -1,81 +1,424 @@
-"""The cleanup daemon of the file_system strategy (standard library only, never unpickles).
+"""Level 0: the file_system cleanup daemon, and what it shares with the strategy and the CLI.
 
-Run as ``python -m procspawn.sharing._manager_main --fd N`` (or by path) by the first
-process of a tree that makes a named segment; that process made the listening socket and
-hands it over as descriptor N, so clients can connect before the daemon runs.
+Standard library only; imports nothing of procspawn and never unpickles. It is run by
+path (``python -I -S _manager_main.py --fd N``) by the first process of a tree that
+makes or maps a named segment; that process made the listening socket and hands it over
+as descriptor N, so clients can connect before the daemon runs.
+
+A named segment ``/dev/shm/procspawn_<creator pid>_<16 hex digits>`` (O_EXCL, mode 0600)
+starts with a page that lists the pids of the processes that map it, changed only under
+``flock``; whoever removes the last one unlinks the name. Messages never hold a place
+there: they carry the segment's descriptor, and the kernel keeps the memory for as long
+as a message (in a socket buffer, or waiting for ``DupFd``) does.
 
 ::
 
     client ──connect (abstract UNIX socket, same uid only: SO_PEERCRED)──▶ daemon
-    client ──"R" + name  (64-byte record, fire-and-forget)──────────────▶ names.add
-    client ──"U" + name ────────────────────────────────────────────────▶ names.discard
-    client exits / is SIGKILLed ──EOF──▶ when no client is left, wait GRACE seconds for a
-                                         new one, then unlink every name still recorded
-                                         (and still present) and exit.
+    client ──"R" + name  (64-byte record, fire-and-forget)──────▶ names[client].add(name)
+    client ──"U" + name ────────────────────────────────────────▶ names[client].discard
+    client exits / is SIGKILLed ──EOF──▶ for each name it registered: remove the client's
+                                         pid from the holders, unlink when none is left
+    no client left for GRACE seconds ──▶ unlink what it saw that nobody maps or holds
+                                         open any more, and exit
 
-A record is a byte ``R`` or ``U`` and the name, NUL-padded to 64 bytes. One more record,
-``L``, asks for the recorded names (``procspawn info`` / ``cleanup``): the daemon answers
-with them, one per line, then a line ``.``, and closes that connection. Names that are not
-``procspawn_<pid>_<16 hex digits>`` are ignored, so the daemon can only ever delete the
-kind of name procspawn creates, and only in /dev/shm.
+A client sends ``R`` before it creates or maps a name and ``U`` after it left the
+holders, so the daemon knows of every name a dead client may hold, and the table says
+exactly whether it did. One more record, ``L``, asks for the names held (``procspawn info`` /
+``cleanup``): the daemon answers with them, one per line, then a line ``.``, and closes
+that connection. Names that are not ``procspawn_<pid>_<16 hex digits>`` are ignored, so
+the daemon can only ever touch the kind of name procspawn creates, and only in /dev/shm.
+
+When a whole tree is SIGKILLed at once, daemon included, nobody is left to clean: the
+next daemon of this user sweeps at start-up (``sweep``), and so does ``procspawn cleanup``.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
+import collections
+import fcntl
 import os
 import re
 import selectors
 import socket
+import stat
 import struct
 import sys
 import time
 
 RECORD = 64
 SHM_DIR = "/dev/shm"
-NAME_RE = re.compile(rb"procspawn_[0-9]{1,10}_[0-9a-f]{16}")
+PREFIX = "procspawn_"
+NAME_RE = re.compile(r"procspawn_([0-9]{1,10})_[0-9a-f]{16}")
 GRACE = float(os.environ.get("PROCSPAWN_MANAGER_GRACE", "2.0"))
+YOUNG = 2.0  # seconds: a segment this young may be between creation and mapping
+DEBUG = os.environ.get("PROCSPAWN_DEBUG", "") not in ("", "0")
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+def _log(text: str) -> None:
+    if DEBUG:
+        print(f"procspawn daemon {os.getpid()}: {text}", file=sys.stderr, flush=True)
 
 
-def _unlink_all(names: set[bytes]) -> list[str]:
-    freed = []
-    for raw in sorted(names):
-        name = raw.decode("ascii")
+# -- named segments ----------------------------------------------------------------------
+#
+# The first page of a named segment is its table of holders: 1024 int32 slots, each the pid
+# of a process that maps it (0: free), changed only under flock(LOCK_EX) on a descriptor of
+# the segment (the lock belongs to that open file, so threads of one process exclude each
+# other too, and the kernel drops it if its holder dies mid-update). A pid, not a count:
+# whoever cleans up after a dead process removes exactly the slots that process took,
+# however it died (between registering and taking its slot, or between giving the slot
+# back and telling the daemon). A message that travels by name holds a slot of its own,
+# ``-pid`` of its sender, which the receiver turns into its pid and a daemon leaves alone
+# (the message may be received after its sender died). The data starts on the next page.
+
+HEADER = 4096  # bytes before a named segment's data: the table of holders
+_SLOTS = HEADER // 4
+_FREE = b"\0\0\0\0"
+
+
+def segment_path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def open_segment(name: str) -> int:
+    """Open an existing segment read-write, refusing anything procspawn did not make."""
+    fd = os.open(segment_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o777 != 0o600:
+        os.close(fd)
+        raise PermissionError(
+            f"{segment_path(name)} is not a procspawn segment of this user (a regular file "
+            f"of uid {os.getuid()} with mode 0600); refusing to map it"
+        )
+    return fd
+
+
+def _find(table: bytes | bytearray, word: bytes) -> int:
+    """The first slot holding ``word`` (4 bytes), or -1."""
+    i = table.find(word)
+    while i >= 0 and i % 4:
+        i = table.find(word, i + 1)
+    return i
+
+
+class _Locked:
+    """flock(LOCK_EX) on a segment for the time of one change of its table."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> bytes:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        # short when its creator died before giving it its size: no slot is taken then
+        return os.pread(self.fd, HEADER, 0).ljust(HEADER, b"\0")
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def first_holder(fd: int) -> None:
+    """Make this process the only holder of a segment it just created (and still owns)."""
+    os.pwrite(fd, struct.pack("<i", os.getpid()), 0)
+
+
+def _slot_word(pid: int) -> bytes:
+    return struct.pack("<i", pid)
+
+
+def hold(name: str, fd: int, inflight: bool = False) -> bool:
+    """Add this process to the holders of the segment open as ``fd``.
+
+    Returns False, changing nothing, when the segment is no longer named (its last
+    holder, a daemon or a sweep unlinked it): then it is just memory, as a memfd is.
+    With ``inflight`` the slot is a message's (``-pid``: the sender's), which its
+    receiver takes over (``adopt``); a daemon leaves it when the sender dies.
+    """
+    with _Locked(fd) as table:
+        if os.fstat(fd).st_nlink == 0 or not _count(table):
+            return False
+        slot = _find(table, _FREE)
+        if slot < 0:
+            raise OSError(
+                f"shared segment {name} is mapped by {_SLOTS} processes already, the most "
+                f"a file_system segment keeps track of; use the file_descriptor strategy"
+            )
+        os.pwrite(fd, _slot_word(-os.getpid() if inflight else os.getpid()), slot)
+        return True
+
+
+def adopt(name: str, fd: int) -> bool:
+    """Take over a message's slot (any ``-pid``) as this process' own. False when there
+    is none left (the segment was freed meanwhile)."""
+    with _Locked(fd) as table:
+        if os.fstat(fd).st_nlink == 0:
+            return False
+        for slot in range(0, HEADER, 4):
+            if table[slot + 3] & 0x80:  # a negative pid: a message's slot
+                os.pwrite(fd, _slot_word(os.getpid()), slot)
+                return True
+        return False
+
+
+def drop_inflight(name: str) -> int:
+    """A message's slot is not needed (its receiver maps the segment already, or it was
+    never sent): give it back; unlink if nobody is left. Returns the holders left."""
+    try:
+        fd = open_segment(name)
+    except FileNotFoundError:
+        return 0
+    try:
+        with _Locked(fd) as current:
+            if os.fstat(fd).st_nlink == 0:
+                return 0
+            table = bytearray(current)
+            for slot in range(0, HEADER, 4):
+                if table[slot + 3] & 0x80:
+                    table[slot : slot + 4] = _FREE
+                    os.pwrite(fd, _FREE, slot)
+                    break
+            left = _count(table)
+            if left == 0:
+                _unlink(name)
+            return left
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(segment_path(name))
+    except FileNotFoundError:
+        pass
+    _log(f"unlinked {name}")
+
+
+def _count(table: bytes | bytearray) -> int:
+    """How many slots are taken."""
+    return _SLOTS - array.array("i", table).count(0)
+
+
+def let_go(name: str, pid: int | None = None, every: bool = False) -> int:
+    """Remove ``pid`` (default: this process) from a segment's holders, once or ``every``
+    time it is there; unlink the segment when nobody is left. Returns how many holders
+    are left (0 when the name is gone).
+
+    With ``every`` (``pid`` is dead), an empty table is unlinked too when ``pid`` or a
+    dead process created the segment: it died between creating the name and taking
+    its slot."""
+    try:
+        fd = open_segment(name)
+    except FileNotFoundError:
+        return 0
+    word = _slot_word(os.getpid() if pid is None else pid)
+    try:
+        with _Locked(fd) as current:
+            if os.fstat(fd).st_nlink == 0:
+                return 0
+            table = bytearray(current)
+            changed = False
+            while (slot := _find(table, word)) >= 0:
+                table[slot : slot + 4] = _FREE
+                os.pwrite(fd, _FREE, slot)
+                changed = True
+                if not every:
+                    break
+            left = _count(table)
+            if left == 0 and not changed and every:
+                creator = int(NAME_RE.fullmatch(name).group(1))  # type: ignore[union-attr]
+                changed = creator == pid or not _alive(creator)
+            if changed and left == 0:
+                _unlink(name)
+            return left
+    finally:
+        os.close(fd)
+
+
+def holders(name: str) -> list[int]:
+    """The pids that hold a segment (empty when the name is gone)."""
+    try:
+        fd = open_segment(name)
+    except FileNotFoundError:
+        return []
+    try:
+        with _Locked(fd) as table:
+            pids = struct.unpack(f"<{_SLOTS}i", table)
+    finally:
+        os.close(fd)
+    return [pid for pid in pids if pid]
+
+
+# -- what nobody holds any more ----------------------------------------------------------
+
+
+def _pids() -> list[str]:
+    try:
+        return [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+
+
+def in_use() -> dict[str, set[int]]:
+    """Segment name -> pids of live processes that map it or hold it open (from /proc;
+    a process that exits meanwhile is simply not counted)."""
+    marker = f"{SHM_DIR}/{PREFIX}"
+    found: dict[str, set[int]] = {}
+
+    def note(path: str, pid: str) -> None:
+        i = path.find(marker)
+        if i >= 0:
+            name = path[i + len(SHM_DIR) + 1 :].split()[0]
+            found.setdefault(name, set()).add(int(pid))
+
+    for pid in _pids():
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            freed.append(name)
-        except FileNotFoundError:
-            pass
+            with open(f"/proc/{pid}/maps", "rb") as f:
+                maps = f.read().decode("utf-8", "replace")
+        except OSError:
+            maps = ""
+        if marker in maps:
+            for line in maps.splitlines():
+                note(line, pid)
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                note(os.readlink(f"/proc/{pid}/fd/{fd}"), pid)
+            except OSError:
+                continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def sweep(
+    names: set[str] | None = None,
+    *,
+    young: float = YOUNG,
+    creator_dead: bool = True,
+    keep: set[str] = frozenset(),  # type: ignore[assignment]
+    dry_run: bool = False,
+) -> list[tuple[str, int]]:
+    """Unlink this user's segments that no live process maps or holds open.
+
+    Args:
+        names: the names to consider (default: every ``procspawn_*`` in /dev/shm).
+        young: skip segments changed less than this many seconds ago.
+        creator_dead: skip segments whose creating process (the pid in the name) lives.
+        keep: names to leave alone whatever they look like (a live daemon holds them).
+        dry_run: only say what would go.
+
+    Returns:
+        (name, bytes) of each segment unlinked (or that would be).
+    """
+    if names is None:
+        try:
+            names = {n for n in os.listdir(SHM_DIR) if NAME_RE.fullmatch(n)}
+        except OSError:
+            return []
+    candidates = []
+    now = time.time()
+    for name in sorted(names):
+        match = NAME_RE.fullmatch(name)
+        if match is None or name in keep:
+            continue
+        try:
+            st = os.lstat(segment_path(name))
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        if now - st.st_mtime < young:
+            continue
+        if creator_dead and _alive(int(match.group(1))):
+            continue
+        candidates.append((name, st.st_size))
+    if not candidates:
+        return []
+    used = in_use()
+    freed = []
+    for name, size in candidates:
+        if name in used:
+            continue
+        if not dry_run:
+            try:
+                os.unlink(segment_path(name))
+            except OSError:
+                continue
+            _log(f"swept {name}")
+        freed.append((name, size))
     return freed
 
 
-def _answer(sock: socket.socket, names: set[bytes]) -> None:
+# -- the daemon ----------------------------------------------------------------------------
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def _answer(sock: socket.socket, names: list[str]) -> None:
     try:
         sock.setblocking(True)
         sock.settimeout(5.0)
-        sock.sendall(b"".join(name + b"\n" for name in sorted(names)) + b".\n")
+        sock.sendall("".join(name + "\n" for name in sorted(names)).encode() + b".\n")
     except OSError:
         pass
 
 
+class _Client:
+    __slots__ = ("pid", "buf", "holds")
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.buf = bytearray()
+        self.holds: collections.Counter[str] = collections.Counter()
+
+
+def _let_go(client: _Client) -> None:
+    """A client is gone: remove it from the holders of every name it registered."""
+    for name in client.holds:
+        try:
+            left = let_go(name, client.pid, every=True)
+        except OSError:
+            continue
+        _log(f"client {client.pid} gone: {name} has {left} holder(s) left")
+    client.holds.clear()
+
+
 def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
-    """Run until every client has gone for ``grace`` seconds; returns the names it freed."""
-    names: set[bytes] = set()
-    buffers: dict[socket.socket, bytearray] = {}
+    """Run until no client is left for ``grace`` seconds; returns the names swept then."""
+    clients: dict[socket.socket, _Client] = {}
+    seen: set[str] = set()
     sel = selectors.DefaultSelector()
     listener.setblocking(False)
     sel.register(listener, selectors.EVENT_READ)
     uid = os.getuid()
     idle_since: float | None = time.monotonic()
+
+    def drop(sock: socket.socket) -> None:
+        nonlocal idle_since
+        sel.unregister(sock)
+        sock.close()
+        _let_go(clients.pop(sock))
+        if not clients:
+            idle_since = time.monotonic()
+
     while True:
         timeout = None
-        if not buffers:
+        if not clients:
             assert idle_since is not None
             timeout = idle_since + grace - time.monotonic()
             if timeout <= 0:
@@ -88,11 +431,12 @@ def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
                     conn, _ = listener.accept()
                 except (BlockingIOError, InterruptedError):
                     continue
-                if _peer_uid(conn) != uid:
+                pid, peer_uid = _peer(conn)
+                if peer_uid != uid:
                     conn.close()
                     continue
                 conn.setblocking(False)
-                buffers[conn] = bytearray()
+                clients[conn] = _Client(pid)
                 sel.register(conn, selectors.EVENT_READ)
                 idle_since = None
                 continue
@@ -103,35 +447,35 @@ def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
             except OSError:
                 data = b""
             if not data:
-                sel.unregister(sock)
-                sock.close()
-                del buffers[sock]
-                if not buffers:
-                    idle_since = time.monotonic()
+                drop(sock)
                 continue
-            buf = buffers[sock]
+            client = clients[sock]
+            buf = client.buf
             buf += data
             whole = len(buf) - len(buf) % RECORD
             for i in range(0, whole, RECORD):
-                op, name = buf[i : i + 1], bytes(buf[i + 1 : i + RECORD]).rstrip(b"\0")
+                op = buf[i : i + 1]
+                name = bytes(buf[i + 1 : i + RECORD]).rstrip(b"\0").decode("ascii", "replace")
                 if not NAME_RE.fullmatch(name):
                     continue
                 if op == b"R":
-                    names.add(name)
-                elif op == b"U":
-                    names.discard(name)
+                    client.holds[name] += 1
+                    seen.add(name)
+                elif op == b"U" and client.holds[name] > 0:
+                    client.holds[name] -= 1
+                    if not client.holds[name]:
+                        del client.holds[name]
             del buf[:whole]
             if buf[:1] == b"L":
-                _answer(sock, names)
-                sel.unregister(sock)
-                sock.close()
-                del buffers[sock]
-                if not buffers:
-                    idle_since = time.monotonic()
+                held = {n for c in clients.values() for n, k in c.holds.items() if k > 0}
+                _answer(sock, sorted(held))
+                drop(sock)
     sel.unregister(listener)
     listener.close()  # new clients now fail to connect and start a daemon of their own
     sel.close()
-    return _unlink_all(names)
+    # Whatever is left of what this tree used (a count a client died too early to take
+    # back) goes if nobody maps or holds it open any more.
+    return [name for name, _ in sweep(seen, young=0.0, creator_dead=False)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,7 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     if os.fork() > 0:
         os._exit(0)
     os.setsid()
+    _log(f"serving @{args.address}")
+    # What a tree killed whole (daemon included) left behind: nobody else will free it.
+    sweep()
     serve(listener, args.grace)
+    _log("exiting")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Queue, JoinableQueue and SimpleQueue over procspawn Connections.
+"""Level 6: Queue, JoinableQueue and SimpleQueue over procspawn Connections.
 
 Same interface and semantics as ``multiprocessing``'s, with two differences that follow
 from the data path: an object is pickled in ``put`` itself (so an unpicklable object raises
@@ -20,7 +20,7 @@ from multiprocessing.util import Finalize, register_after_fork
 from queue import Empty, Full
 from typing import Any
 
-from . import _pickler
+from . import _message, _pickler
 from ._connection import Pipe
 from ._fdpass import FdLimitError, message_size
 
@@ -35,7 +35,7 @@ class _Rest:
 
     __slots__ = ("message", "sent")
 
-    def __init__(self, message: _pickler.Message, sent: int) -> None:
+    def __init__(self, message: _message.Message, sent: int) -> None:
         self.message = message
         self.sent = sent
 
@@ -100,7 +100,7 @@ class Queue:
     def _count_task(self) -> None:
         """A new item is about to become visible (JoinableQueue counts it)."""
 
-    def _send_now(self, message: _pickler.Message) -> bool:
+    def _send_now(self, message: _message.Message) -> bool:
         """Send ``message`` from this thread when that cannot block and keeps the order:
         nothing of this process waits for the feeder, no other process is writing, and
         the socket takes at least its first byte at once (the feeder sends the rest).
@@ -358,4 +358,4 @@ class SimpleQueue:
         message.close()
 
 
-_pickler._extra_deferred.extend([Queue, SimpleQueue])
+_pickler.defer_at_start(Queue, SimpleQueue)

@@ -1,14 +1,19 @@
-"""NumPy arrays on the wire: a handle into a shared segment instead of the bytes.
+"""Level 4: NumPy arrays on the wire, a handle into a shared segment instead of the bytes.
 
-An array is sent as ``(segment, byte offset, shape, strides, dtype, writeable)``. The
-segment is pickled once per message (pickle's memo), so many arrays over one segment
-cost one handle, and the receiver rebuilds them over one mapping: views stay views.
+An array is sent as ``(segment handle, byte offset, shape, strides, dtype, writeable)``.
+A segment is reduced once per message, so many arrays over one segment cost one handle,
+and the receiver rebuilds them over one mapping: views stay views.
 
 * memory already in a Segment: the handle only, no copy;
 * any other array of at least ``PROCSPAWN_INLINE_BYTES`` bytes (default 65536): copied
   once into a new segment (C or Fortran order, as the source), the sender's array
   untouched;
 * smaller ones, zero-size ones and object dtypes: pickled as NumPy pickles them.
+
+Two sections, one per kind of channel: procspawn's own (the descriptors ride inside the
+message), and multiprocessing's (``ForkingPickler``), which cannot carry descriptors and
+gets them through ``multiprocessing.reduction.DupFd`` instead. Imported by the pickler as
+the NumPy plug-in (``_registry.PLUGINS``) once NumPy is imported.
 """
 
 from __future__ import annotations
@@ -16,17 +21,20 @@ from __future__ import annotations
 import os
 import pickle
 import weakref
-from typing import Any, Literal
+from multiprocessing.context import get_spawning_popen  # type: ignore[attr-defined]
+from multiprocessing.reduction import DupFd, ForkingPickler
+from typing import Any
 
 import numpy as np
 
-from . import _pickler, _strategy
-from ._segment import Segment, segment_of
+from . import _handles, _message, _registry
+from ._ndarray import array_over, copy_to_segment, layout
+from ._segment import segment_of
 
 INLINE_BYTES = int(os.environ.get("PROCSPAWN_INLINE_BYTES", 65536))
 
 
-# -- ndarray ------------------------------------------------------------------------------
+# -- procspawn channels --------------------------------------------------------------------
 
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
@@ -38,83 +46,106 @@ def _reduce_ndarray(array: np.ndarray) -> Any:
         found = segment_of(array)
         assert found is not None
     segment, offset = found
-    return (
-        _rebuild_ndarray,
-        (
-            _strategy.segment_handle(segment),
-            offset,
-            array.shape,
-            array.strides,
-            dtype_code(array.dtype),
-            array.flags.writeable,
-        ),
-    )
+    return (_rebuild_ndarray, (_handles.segment_handle(segment), *layout(array, offset)))
 
 
-def dtype_code(dtype: np.dtype) -> str | np.dtype:
-    """``dtype.str`` when it names the dtype exactly (numbers, bools, dates, strings: a
-    few bytes, fast to read back), else the dtype itself (structured, subarray, metadata,
-    user-defined)."""
-    if dtype.metadata is None and (dtype.isbuiltin == 1 or dtype.kind in "MmSU"):
-        return dtype.str
-    return dtype
+def _rebuild_ndarray(handle: _handles.Handle, *array_layout: Any) -> np.ndarray:
+    """The received array: ``array_layout`` as ``array_over`` takes it."""
+    return array_over(_handles.segment_from_handle(handle), *array_layout)
 
 
-def _rebuild_ndarray(handle: Any, *layout: Any) -> np.ndarray:
-    """The received array: ``layout`` as ``array_over`` takes it, over the handle's segment."""
-    return array_over(_strategy.segment_from_handle(handle), *layout)
+_registry.register(np.ndarray, _reduce_ndarray)
 
 
-def array_over(
-    segment: Segment,
-    offset: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    dtype: str | np.dtype,
-    writeable: bool,
-) -> np.ndarray:
-    """The array a handle describes, over ``segment`` of this process."""
-    array = np.ndarray(shape, dtype, buffer=bytes_of(segment), offset=offset, strides=strides)
-    if not writeable:
-        array.flags.writeable = False
-    return array
+# -- multiprocessing's own channels (stdlib Queue, Pipe, Pool, Process args) ---------------
+#
+# While a process is being started (its arguments), the start method hands each DupFd's
+# descriptor to the new process. At any other time multiprocessing's resource_sharer
+# thread in the sender keeps a duplicate until the receiver connects back for it, so the
+# sender must still be alive when the array is received (procspawn's channels carry the
+# descriptor inside the message and have no such limit). Arrays of custom strategies, and
+# every array outside procspawn's segments, pickle exactly as NumPy pickles them.
+
+_NUMPY_PROTOCOL = 4  # what ForkingPickler's default protocol gets from NumPy on 3.10-3.13
+_BUILTIN_ONLY = ("file_descriptor", "file_system")
 
 
-def bytes_of(segment: Segment) -> np.ndarray:
-    """A uint8 array over all of ``segment`` whose ``.base`` is the segment; the same one
-    for as long as any array built on it lives (it is held weakly)."""
-    ref = segment.view
-    view = ref() if ref is not None else None
-    if view is None:
-        view = np.asarray(segment)
-        segment.view = weakref.ref(view)
-    return view
+def _reduce_for_stdlib(array: np.ndarray) -> Any:
+    found = segment_of(array)
+    if found is None or found[0].strategy not in _BUILTIN_ONLY:
+        return array.__reduce_ex__(_NUMPY_PROTOCOL)
+    segment, offset = found
+    state = _message.SendState()
+    with _message.sending_into(state):
+        handle = _handles.reduce_segment(segment)
+    dupfd = None
+    try:
+        if state.fds:
+            [fd] = state.fds
+            dupfd = _dupfd(fd, state.owned)
+        else:  # by name (out of descriptors): the message's slot goes with the handle
+            state.on_abandon.clear()
+    finally:
+        state.discard()  # DupFd holds a duplicate of its own now
+    return (_rebuild_from_stdlib, (handle, dupfd, *layout(array, offset)))
 
 
-def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C") -> np.ndarray:
-    """A new array in a fresh segment of the current strategy (its bytes are zero)."""
-    dtype = np.dtype(dtype)
-    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    segment = _strategy.allocate(nbytes)
-    return np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
+class _StartFds:
+    """Descriptors handed to a process being started, closed once its Popen is gone (the
+    start method reads them after the pickler returns)."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def __del__(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
 
 
-def copy_to_segment(array: np.ndarray) -> np.ndarray:
-    """A copy of ``array`` in a fresh segment, Fortran order kept, read-only kept."""
-    order: Literal["C", "F"] = (
-        "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
-    )
-    shared = empty_like_in_segment(array.shape, array.dtype, order)
-    np.copyto(shared, array, casting="no")
-    if not array.flags.writeable:
-        shared.flags.writeable = False
-    return shared
+_starting: weakref.WeakKeyDictionary[Any, _StartFds] = weakref.WeakKeyDictionary()
 
 
-_pickler.register(np.ndarray, _reduce_ndarray)
+def _dupfd(fd: int, owned: list[int]) -> Any:
+    popen = get_spawning_popen()
+    if popen is None:
+        return DupFd(fd)  # resource_sharer: a duplicate of its own each time
+    # A start method refuses one descriptor twice and gives the child the same number for
+    # every reference to it: one descriptor of its own per array, which the child owns.
+    if fd in owned:
+        owned.remove(fd)
+    else:
+        fd = os.dup(fd)
+    start = _starting.get(popen)
+    if start is None:
+        start = _starting[popen] = _StartFds()
+    start.fds.append(fd)
+    return DupFd(fd)
 
-# multiprocessing's own channels: arrays in segments go as handles there too (DupFd)
-from . import _mp_channels  # noqa: E402
 
-_mp_channels.install()
+def _rebuild_from_stdlib(handle: _handles.Handle, dupfd: Any, *array_layout: Any) -> np.ndarray:
+    state = _message.RecvState([_detach(dupfd)] if dupfd is not None else [])
+    try:
+        with _message.receiving_from(state):
+            segment = _handles.rebuild_segment(handle)
+    finally:
+        state.close_rest()
+    return array_over(segment, *array_layout)
+
+
+def _detach(dupfd: Any) -> int:
+    try:
+        fd: int = dupfd.detach()
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"a shared array came through a multiprocessing (stdlib) channel, but its "
+            f"shared-memory descriptor could not be fetched from the process that sent it "
+            f"({exc}): that process has probably exited. Over stdlib channels the sender "
+            f"must live until the array is received; procspawn's own channels "
+            f"(procspawn.Queue, Pipe, SimpleQueue, Pool) carry the descriptor inside the "
+            f"message and have no such limit.",
+        ) from exc
+    return fd
+
+
+ForkingPickler.register(np.ndarray, _reduce_for_stdlib)

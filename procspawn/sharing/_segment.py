@@ -1,4 +1,4 @@
-"""Segment: one mapped shared region, and the per-process cache of mapped segments.
+"""Level 1: Segment, one mapped shared region, released when the last array over it goes.
 
 Mapping is done with libc ``mmap`` through ctypes, not ``mmap.mmap``: before Python 3.13
 (``trackfd=False``) ``mmap.mmap`` keeps a private duplicate of the descriptor for as long
@@ -15,13 +15,10 @@ inherited it.
 
 from __future__ import annotations
 
-import atexit
-import collections
 import ctypes
 import errno
 import mmap
 import os
-import threading
 import weakref
 from collections.abc import Callable
 from multiprocessing import util
@@ -152,7 +149,6 @@ class Segment:
         "fd",
         "name",
         "view",
-        "received",
         "__array_interface__",
         "_finalizer",
         "__weakref__",
@@ -178,7 +174,6 @@ class Segment:
         self.fd = fd
         self.name = name
         self.view: Any = None  # a weak reference to a uint8 array over it (see _reductions)
-        self.received = False  # set by a strategy that rebuilt it from a message
         # np.asarray(segment): a uint8 array over the usable bytes whose .base is the segment
         self.__array_interface__ = {
             "shape": (size,),
@@ -226,118 +221,6 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"<procspawn Segment {self.strategy} key={self.key!r} size={self.size}>"
-
-
-# -- received segments kept mapped after their last array is gone -------------------------
-#
-# A consumer that gets arrays from a pool of shared buffers drops each one before the next
-# arrives: without this, every message would map its segment again and unmap it at once
-# (two system calls, a page fault and a Segment: most of the cost of a message). So the
-# built-in strategies hold the segments they received last, whether arrays still use them
-# or not: at most _KEEP_COUNT segments and PROCSPAWN_KEEP_MAPPED_BYTES bytes (default
-# 64 MiB; 0 turns this off), the least recently received let go first. Holding one is
-# holding a reference, as an array does: it only delays the free (and, for file_system,
-# the unlink); release_unused() lets go of them all, and so does the exit.
-
-KEEP_ENV = "PROCSPAWN_KEEP_MAPPED_BYTES"
-_KEEP_COUNT = 32
-_kept: collections.OrderedDict[tuple[str, Any], Segment] = collections.OrderedDict()
-_kept_bytes = 0
-_kept_lock = threading.Lock()
-
-
-def _read_keep_budget() -> int:
-    text = os.environ.get(KEEP_ENV, str(64 << 20))
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{KEEP_ENV}={text!r} is not a number of bytes") from None
-
-
-_keep_budget = _read_keep_budget()  # read once: this is on every message's path
-
-
-def keep_mapped(segment: Segment) -> None:
-    """Hold ``segment`` (just received) as the most recent one kept for reuse."""
-    global _kept_bytes
-    budget = _keep_budget
-    if budget <= 0 or segment.size > budget:
-        return
-    key = (segment.strategy, segment.key)
-    with _kept_lock:
-        old = _kept.pop(key, None)
-        _kept_bytes += segment.size - (old.size if old is not None else 0)
-        _kept[key] = segment
-        evicted = []
-        while len(_kept) > _KEEP_COUNT or _kept_bytes > budget:
-            evicted.append(_kept.popitem(last=False)[1])
-            _kept_bytes -= evicted[-1].size
-    # the evicted are released (outside the lock) when no array uses them either
-    del evicted
-
-
-def release_unused() -> int:
-    """Let go of the received segments this process holds for reuse: each one no array
-    uses any more is unmapped and its descriptor closed. Returns how many were held."""
-    global _kept_bytes
-    with _kept_lock:
-        held = list(_kept.values())
-        _kept.clear()
-        _kept_bytes = 0
-    count = len(held)
-    del held
-    return count
-
-
-atexit.register(release_unused)  # at exit, before module teardown
-
-
-# -- the receiver's cache: one Segment per (strategy, key) per process ---------------------
-#
-# Weak references without callbacks: a dead entry is replaced by the next remember() of
-# its key and costs nothing meanwhile but a few bytes (cheaper than a WeakValueDictionary,
-# whose every entry carries a callback).
-
-_cache: dict[tuple[str, Any], weakref.ref[Segment]] = {}
-_cache_lock = threading.Lock()
-_CACHE_SWEEP = 4096  # drop dead entries when the cache grows past twice its live size
-
-
-def cache_lock() -> threading.Lock:
-    return _cache_lock
-
-
-def cached(strategy: str, key: Any) -> Segment | None:
-    """The live Segment of this process for ``key`` (call with ``cache_lock()`` held)."""
-    ref = _cache.get((strategy, key))
-    return ref() if ref is not None else None
-
-
-def remember(segment: Segment) -> None:
-    """Make ``segment`` the one this process uses for its key (with ``cache_lock()`` held)."""
-    global _sweep_at
-    _cache[(segment.strategy, segment.key)] = weakref.ref(segment)
-    if len(_cache) >= _sweep_at:
-        for key in [key for key, ref in _cache.items() if ref() is None]:
-            del _cache[key]
-        _sweep_at = max(_CACHE_SWEEP, 2 * len(_cache))
-
-
-_sweep_at = _CACHE_SWEEP
-
-
-def _reset_after_fork() -> None:
-    # The child did not take references of its own to the parent's segments; it maps anew.
-    global _cache, _cache_lock, _sweep_at, _kept, _kept_bytes, _kept_lock
-    _cache = {}
-    _cache_lock = threading.Lock()
-    _sweep_at = _CACHE_SWEEP
-    _kept = collections.OrderedDict()  # the parent's to release, as its live segments
-    _kept_bytes = 0
-    _kept_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _data_pointer_reader() -> Callable[[Any], int] | None:

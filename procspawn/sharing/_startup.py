@@ -1,4 +1,4 @@
-"""A message handed to a new process at start-up, pickled once however many processes.
+"""Level 6: a message handed to a new process at start-up, pickled once however many processes.
 
 ``multiprocessing`` pickles a Process (spawn, forkserver) while it starts the process,
 with its "spawning popen" set: only then do Queues, Locks and Connections pickle, and only
@@ -7,6 +7,10 @@ procspawn pickled earlier (once) and, in ``__reduce__``, hands over its descript
 ``DupFd`` and its deferred objects (see ``dumps(deferred=...)``) to multiprocessing's own
 reducers. Under fork nothing is pickled: the child inherits the object and the
 descriptors under the same numbers.
+
+It also carries the address of the process tree's cleanup daemon: the new process joins
+its starter's tree before it maps any segment (a tree is what procspawn starts; nothing
+travels in the environment, so a program started with ``subprocess`` is a tree of its own).
 """
 
 from __future__ import annotations
@@ -14,24 +18,26 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _pickler
+from . import _manager, _message, _pickler
 
 
 class StartupMessage:
     """A pickled message plus the objects that only pickle at process start."""
 
-    def __init__(self, message: _pickler.Message, deferred: list[Any]) -> None:
+    def __init__(self, message: _message.Message, deferred: list[Any]) -> None:
         self.message = message
         self.deferred = deferred
+        self.tree = _manager.tree_address()
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
 
         fds = [DupFd(fd) for fd in self.message.fds]
-        return (_rebuild, (self.message.data, fds, self.deferred))
+        return (_rebuild, (self.message.data, fds, self.deferred, self.tree))
 
     def load(self) -> Any:
         """Unpickle in the child (fork: the inherited object; loads gets duplicates)."""
+        _manager.adopt_tree(self.tree)
         return _pickler.loads(
             self.message.data, [os.dup(fd) for fd in self.message.fds], self.deferred
         )
@@ -41,17 +47,19 @@ class StartupMessage:
 
 
 class _Received:
-    def __init__(self, data: bytes, fds: list[int], deferred: list[Any]) -> None:
+    def __init__(self, data: bytes, fds: list[int], deferred: list[Any], tree: str) -> None:
         self.data = data
         self.fds = fds
         self.deferred = deferred
+        self.tree = tree
 
     def load(self) -> Any:
+        _manager.adopt_tree(self.tree)
         fds, self.fds = self.fds, []
         return _pickler.loads(self.data, fds, self.deferred)
 
 
-def _rebuild(data: bytes, fds: list[Any], deferred: list[Any]) -> _Received:
+def _rebuild(data: bytes, fds: list[Any], deferred: list[Any], tree: str) -> _Received:
     # Only the descriptors are taken here; the pickle is loaded by the child's own code,
     # where an error in it can be reported.
-    return _Received(data, [fd.detach() for fd in fds], deferred)
+    return _Received(data, [fd.detach() for fd in fds], deferred, tree)

@@ -1,22 +1,20 @@
-"""The sharing-strategy interface and the registry of strategies.
+"""Level 2: the sharing-strategy interface, the registry of strategies, the current one.
 
-A handle on the wire is ``(strategy name, strategy object or None, key, handle)``: the
-name says which strategy made it, so any receiver rebuilds any handle; a strategy that is
-not built in travels with the handle (pickled by reference when importable, by value
-otherwise), so a child that never registered it can still rebuild it.
+Built-in strategies are data (``BUILTIN``: name -> module, class), imported when first
+used, so a process that never shares an array pays nothing for them.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import secrets
 import sys
 import threading
 from typing import Any
 
-from . import _pickler
-from ._segment import Segment, cache_lock, cached, remember
+from .. import _log
+from . import _mapcache, _registry
+from ._segment import Segment
 
 _ENV = "PROCSPAWN_SHARING_STRATEGY"
 
@@ -37,7 +35,11 @@ class SharingStrategy:
     ``key`` identifies a segment across processes: a receiver maps each key once.
 
     ``adopt_cached(handle, segment)`` is called instead of ``rebuild`` when this process
-    already maps the segment; it releases whatever the handle carried.
+    already maps the segment; it releases whatever the handle carried beyond the
+    message's descriptors (those are closed for it).
+
+    Whatever a strategy does, it keeps the lifetime rule of ``procspawn.sharing``: a
+    segment lives while an array over it or a message carrying it does, no longer.
     """
 
     #: set by register_strategy
@@ -60,13 +62,9 @@ _strategies: dict[str, SharingStrategy] = {}
 _lock = threading.Lock()
 _current: str | None = None
 
-MANAGER_ENV = "PROCSPAWN_MANAGER"  # the cleanup daemon's address, for a tree's processes
-
-# Built-in strategies are imported when first used, so a process that never shares an array
-# (a rank returning a number) pays nothing for them.
-_BUILTIN: dict[str, tuple[str, str]] = {"file_system": ("._file_system", "FileSystemStrategy")}
+BUILTIN: dict[str, tuple[str, str]] = {"file_system": ("._file_system", "FileSystemStrategy")}
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
-    _BUILTIN["file_descriptor"] = ("._file_descriptor", "FileDescriptorStrategy")
+    BUILTIN["file_descriptor"] = ("._file_descriptor", "FileDescriptorStrategy")
 
 
 def register_strategy(name: str, strategy: SharingStrategy) -> None:
@@ -83,7 +81,7 @@ def register_strategy(name: str, strategy: SharingStrategy) -> None:
         )
     if not isinstance(name, str) or not name:
         raise ValueError(f"a sharing strategy needs a non-empty string name, got {name!r}")
-    if name in _BUILTIN:
+    if name in BUILTIN:
         raise ValueError(f"{name!r} is a built-in sharing strategy; pick another name")
     strategy.name = name
     with _lock:
@@ -93,8 +91,8 @@ def register_strategy(name: str, strategy: SharingStrategy) -> None:
 def strategy_named(name: str) -> SharingStrategy | None:
     """The strategy object registered as ``name`` (built-ins are made on first use)."""
     strategy = _strategies.get(name)
-    if strategy is None and name in _BUILTIN:
-        module_name, class_name = _BUILTIN[name]
+    if strategy is None and name in BUILTIN:
+        module_name, class_name = BUILTIN[name]
         cls = getattr(importlib.import_module(module_name, __package__), class_name)
         with _lock:
             strategy = _strategies.get(name)
@@ -107,7 +105,7 @@ def strategy_named(name: str) -> SharingStrategy | None:
 
 def get_all_sharing_strategies() -> set[str]:
     """The names of every strategy this process can use."""
-    return set(_strategies) | set(_BUILTIN)
+    return set(_strategies) | set(BUILTIN)
 
 
 def _default() -> str:
@@ -119,7 +117,7 @@ def _default() -> str:
                 f"{', '.join(sorted(get_all_sharing_strategies()))}"
             )
         return name
-    return "file_descriptor" if "file_descriptor" in _BUILTIN else "file_system"
+    return "file_descriptor" if "file_descriptor" in BUILTIN else "file_system"
 
 
 def get_sharing_strategy() -> str:
@@ -148,38 +146,15 @@ def set_sharing_strategy(name: str) -> None:
     _current = name
 
 
-def tree_address() -> str:
-    """The address of this process tree's cleanup daemon: inherited from the parent, or
-    chosen here for this process and its children (no daemon starts until one is needed)."""
-    address = os.environ.get(MANAGER_ENV)
-    if not address:
-        address = f"procspawn-{os.getuid()}-{secrets.token_hex(8)}"
-        os.environ[MANAGER_ENV] = address
-    return address
-
-
 def snapshot() -> dict[str, Any]:
     """What a child needs of this process' sharing settings, whatever the start method:
-    the strategy (a custom one travels along) and the tree's cleanup-daemon address (a
-    forkserver child would not inherit it through the environment)."""
+    the strategy's name, and the strategy itself when it is not built in."""
     name = get_sharing_strategy()
-    if name == "file_system":
-        # A parent that shares this way stays a client of the tree's daemon while its
-        # children run, so what they leave in flight outlives them.
-        from . import _manager
-
-        _manager.ensure()
-    return {
-        "strategy": name,
-        "custom": None if name in _BUILTIN else _strategies[name],
-        "manager": tree_address(),
-    }
+    return {"strategy": name, "custom": None if name in BUILTIN else _strategies[name]}
 
 
 def restore(settings: dict[str, Any]) -> None:
     """Adopt a parent's ``snapshot()`` in a child."""
-    if settings["manager"]:
-        os.environ[MANAGER_ENV] = settings["manager"]
     name, strategy = settings["strategy"], settings["custom"]
     if strategy is not None and name not in _strategies:
         register_strategy(name, strategy)
@@ -195,58 +170,9 @@ def current() -> SharingStrategy:
 
 def allocate(nbytes: int) -> Segment:
     """A new Segment of ``nbytes`` from the current strategy, known to this process' cache."""
+    _registry.load_plugins()  # its arrays may go through any channel, the stdlib's too
     segment = current().allocate(nbytes)
-    with cache_lock():
-        remember(segment)
+    _log.debug("allocated %r", segment)
+    with _mapcache.lock():
+        _mapcache.remember(segment)
     return segment
-
-
-# -- segments on the wire ------------------------------------------------------------------
-
-
-def segment_handle(segment: Segment) -> tuple[str, Any, Any, Any]:
-    """The wire handle of ``segment`` in the message being pickled:
-    ``(strategy name, strategy object if not built in, key, the strategy's handle)``.
-    The strategy reduces a segment once per message, however many arrays lie in it."""
-    memo = _pickler.sending().memo
-    handle = memo.get((segment.strategy, segment.key))
-    if handle is None:
-        strategy = _strategies[segment.strategy]
-        travelling = None if segment.strategy in _BUILTIN else strategy
-        handle = (segment.strategy, travelling, segment.key, strategy.reduce(segment))
-        memo[(segment.strategy, segment.key)] = handle
-    return handle
-
-
-def segment_from_handle(handle: tuple[str, Any, Any, Any]) -> Segment:
-    """The Segment of this process for a received handle (rebuilt once per message)."""
-    memo = _pickler.received().memo
-    segment = memo.get((handle[0], handle[2]))
-    if segment is None:
-        segment = _rebuild_segment(*handle)
-        memo[(handle[0], handle[2])] = segment
-    return segment
-
-
-def _reduce_segment(segment: Segment) -> Any:
-    return (segment_from_handle, (segment_handle(segment),))
-
-
-def _rebuild_segment(name: str, travelling: Any, key: Any, handle: Any) -> Segment:
-    strategy = strategy_named(name)
-    if strategy is None:
-        if travelling is None:
-            raise ValueError(f"received a handle of unknown sharing strategy {name!r}")
-        register_strategy(name, travelling)
-        strategy = travelling
-    with cache_lock():
-        segment = cached(name, key)
-        if segment is not None:
-            strategy.adopt_cached(handle, segment)
-            return segment
-        segment = strategy.rebuild(handle)
-        remember(segment)
-        return segment
-
-
-_pickler.register(Segment, _reduce_segment)

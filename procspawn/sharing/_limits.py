@@ -1,4 +1,4 @@
-"""Reserving space and descriptors up front, with errors that say what to do."""
+"""Level 0: reserving space and descriptors up front, and the errors that say what to do."""
 
 from __future__ import annotations
 
@@ -26,6 +26,31 @@ def raise_fd_limit() -> None:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             except (ValueError, OSError):
                 pass
+
+
+class FdLimitError(OSError):
+    """This process ran out of file descriptors while receiving shared arrays.
+
+    Under the ``file_descriptor`` strategy every live shared segment holds one descriptor.
+    Raise the limit (``ulimit -n``) or switch to the ``file_system`` strategy, where a live
+    array holds none: ``procspawn.set_sharing_strategy("file_system")``.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        super().__init__(
+            errno.EMFILE,
+            f"too many open files: {what}, because this process is at its limit "
+            f"(RLIMIT_NOFILE soft={soft}, hard={hard}). Each live array shared under the "
+            f"'file_descriptor' strategy holds one descriptor. Fix: raise the limit "
+            f"(`ulimit -n {max(hard, soft * 4)}`) or call "
+            f"procspawn.set_sharing_strategy('file_system'), which holds no descriptor "
+            f"per array.",
+        )
+
+    def __reduce__(self):
+        return (FdLimitError, (self.what,))
 
 
 class SharedMemoryFullError(OSError):

@@ -1,0 +1,31 @@
+"""The package logger, silent by default; ``PROCSPAWN_DEBUG=1`` logs to stderr.
+
+With the variable set, procspawn logs segment allocations and frees and cleanup-daemon
+events at DEBUG level on the ``procspawn`` logger. ``logging`` is imported only then, so
+a rank that never logs does not pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ENABLED = os.environ.get("PROCSPAWN_DEBUG", "") not in ("", "0")
+_logger: Any = None
+
+
+def debug(text: str, *args: Any) -> None:
+    """Log ``text % args`` at DEBUG level when PROCSPAWN_DEBUG is set."""
+    if not ENABLED:
+        return
+    global _logger
+    if _logger is None:
+        import logging
+
+        _logger = logging.getLogger("procspawn")
+        if not _logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("procspawn %(process)d: %(message)s"))
+            _logger.addHandler(handler)
+        _logger.setLevel(logging.DEBUG)
+    _logger.debug(text, *args)

@@ -1,0 +1,72 @@
+"""Level 3: array layout over segments: new arrays in fresh segments, arrays over handles."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Literal
+
+import numpy as np
+
+from . import _strategy
+from ._segment import Segment
+
+
+def dtype_code(dtype: np.dtype) -> str | np.dtype:
+    """``dtype.str`` when it names the dtype exactly (numbers, bools, dates, strings: a
+    few bytes, fast to read back), else the dtype itself (structured, subarray, metadata,
+    user-defined)."""
+    if dtype.metadata is None and (dtype.isbuiltin == 1 or dtype.kind in "MmSU"):
+        return dtype.str
+    return dtype
+
+
+def layout(array: np.ndarray, offset: int) -> tuple[Any, ...]:
+    """What a receiver needs besides the segment: offset, shape, strides, dtype, writeable."""
+    return (offset, array.shape, array.strides, dtype_code(array.dtype), array.flags.writeable)
+
+
+def array_over(
+    segment: Segment,
+    offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    dtype: str | np.dtype,
+    writeable: bool,
+) -> np.ndarray:
+    """The array a handle describes, over ``segment`` of this process."""
+    array = np.ndarray(shape, dtype, buffer=bytes_of(segment), offset=offset, strides=strides)
+    if not writeable:
+        array.flags.writeable = False
+    return array
+
+
+def bytes_of(segment: Segment) -> np.ndarray:
+    """A uint8 array over all of ``segment`` whose ``.base`` is the segment; the same one
+    for as long as any array built on it lives (it is held weakly)."""
+    ref = segment.view
+    view = ref() if ref is not None else None
+    if view is None:
+        view = np.asarray(segment)
+        segment.view = weakref.ref(view)
+    return view
+
+
+def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C") -> np.ndarray:
+    """A new array in a fresh segment of the current strategy (its bytes are zero)."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    segment = _strategy.allocate(nbytes)
+    return np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
+
+
+def copy_to_segment(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` in a fresh segment, Fortran order kept, read-only kept."""
+    order: Literal["C", "F"] = (
+        "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    )
+    shared = empty_like_in_segment(array.shape, array.dtype, order)
+    np.copyto(shared, array, casting="no")
+    if not array.flags.writeable:
+        shared.flags.writeable = False
+    return shared

@@ -1,0 +1,228 @@
+"""The lifetime rule, seen from outside as a user would see it.
+
+A segment lives while an array over it or a message carrying it does, no longer: these
+tests look at /dev/shm, /proc/self/maps and /proc/self/fd, and call nothing of procspawn
+to clean up first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from _helpers import run_script
+
+import procspawn as mp
+from procspawn import sharing
+from procspawn.sharing import _manager
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1 << 20
+
+
+def _names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
+
+
+def _shared_mappings() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "/dev/shm/procspawn_" in line or "/memfd:procspawn" in line]
+
+
+def _fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def _within(seconds: float, predicate) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _produce_fresh(q, count, nbytes, strategy):
+    mp.set_sharing_strategy(strategy)
+    for i in range(count):
+        a = sharing.zeros(nbytes, np.uint8)
+        a[0] = i
+        q.put(a)
+        del a  # only the message holds it now
+    q.close()
+    q.join_thread()
+
+
+def test_a_receiver_gives_back_every_dropped_array_of_a_producer_that_exited(strategy):
+    # 24 fresh 2 MiB arrays from a producer that has exited: while held they are mapped
+    # here; once dropped, mappings, descriptors and names are back to the baseline within
+    # 2 s, with nothing called to clean up.
+    maps, names, fds = len(_shared_mappings()), _names(), _fds()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_produce_fresh, args=(q, 24, 2 * MIB, strategy))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    got = [q.get(timeout=30) for _ in range(24)]
+    assert [int(a[0]) for a in got] == list(range(24))
+    assert all(a.nbytes == 2 * MIB and sharing.is_shared(a) for a in got)
+    assert len(_shared_mappings()) - maps == 24
+    del got
+    assert _within(2.0, lambda: len(_shared_mappings()) == maps), _shared_mappings()
+    assert _names() == names
+    q.close()
+    q.join_thread()
+    p.close()  # its sentinel: all the descriptors left are the queue's and the process'
+    assert _within(2.0, lambda: _fds() == fds), _fds() - fds
+
+
+def _put_then_die(q, strategy):
+    mp.set_sharing_strategy(strategy)
+    a = sharing.zeros(MIB // 8)
+    a[:] = np.arange(MIB // 8)
+    q.put(a)
+    del a
+    q.close()
+    q.join_thread()  # the message is in the pipe
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_message_outlives_its_producer_killed_after_put(strategy, start_method):
+    ctx = mp.get_context(start_method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_put_then_die, args=(q, strategy))
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    time.sleep(0.3)  # the daemon has dropped what the producer held by now
+    got = q.get(timeout=30)
+    assert np.array_equal(got, np.arange(MIB // 8, dtype=float))
+    got[0] = -1  # the memory is ours to write
+    del got
+    q.close()
+    q.join_thread()
+
+
+def test_a_program_started_with_subprocess_is_a_tree_of_its_own():
+    # This process uses file_system and holds an array, so it is a client of its tree's
+    # daemon. A program it starts with subprocess must not join that tree: what the
+    # program's SIGKILLed ranks held is gone 2 s after the program exits.
+    mp.set_sharing_strategy("file_system")
+    try:
+        mine = sharing.zeros(1000)
+        baseline = _names()
+        code = textwrap.dedent(
+            """
+            import os, signal
+            import procspawn as mp
+            from procspawn import sharing
+            from procspawn.sharing import _manager
+
+            def work(rank):
+                held = [sharing.zeros(10_000) for _ in range(3)]
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            if __name__ == "__main__":
+                mp.set_sharing_strategy("file_system")
+                data = sharing.zeros(10_000)
+                try:
+                    mp.spawn(work, nprocs=3)
+                except mp.ProcessExitedException:
+                    pass
+                print(_manager.tree_address())
+            """
+        )
+        result = run_script(code)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() != _manager.tree_address()
+        assert _within(2.0, lambda: _names() == baseline), _names() - baseline
+        assert mine.sum() == 0
+        del mine
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def _daemon_pids(address: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if address.encode() in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue  # exited since it was listed
+    return found
+
+
+def test_a_tree_killed_whole_is_swept_by_the_next_daemon(tmp_path):
+    # Parent, rank and daemon all SIGKILLed at once: nobody is left to clean. The next
+    # daemon this user starts frees what they left (once it is a few seconds old).
+    ready = tmp_path / "ready"
+    code = textwrap.dedent(
+        f"""
+        import os, time
+        import procspawn as mp
+        from procspawn import sharing
+        from procspawn.sharing import _manager
+
+        def publish(path, text):  # whole or not at all: the test polls for it
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+
+        def rank(r, path):
+            keep = sharing.zeros(10_000)
+            publish(path + ".rank", str(os.getpid()))
+            time.sleep(60)
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            data = sharing.zeros(10_000)
+            ctx = mp.spawn(rank, args=({str(ready)!r},), nprocs=1, join=False)
+            while not os.path.exists({str(ready)!r} + ".rank"):
+                time.sleep(0.02)
+            publish({str(ready)!r}, _manager.tree_address())
+            time.sleep(60)
+        """
+    )
+    import subprocess
+    import sys
+
+    from _helpers import script_env
+
+    before = _names()
+    proc = subprocess.Popen([sys.executable, "-c", code], env=script_env())
+    try:
+        assert _within(60, ready.exists)
+        address = ready.read_text()
+        rank_pid = int((tmp_path / "ready.rank").read_text())
+        victims = [proc.pid, rank_pid, *_daemon_pids(address)]
+        assert len(victims) == 3
+        for pid in victims:  # stopped first, so none sees another die and cleans up
+            os.kill(pid, signal.SIGSTOP)
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(10)
+        left = _names() - before
+        assert len(left) == 2  # the parent's array and the rank's
+    finally:
+        proc.kill()
+        proc.wait()
+    time.sleep(2.5)  # older than the sweep's 2 s: nothing is being made any more
+    fresh = run_script(
+        "import procspawn as mp\n"
+        "from procspawn import sharing\n"
+        "mp.set_sharing_strategy('file_system')\n"
+        "a = sharing.zeros(10)\n",
+        env_extra={"PROCSPAWN_MANAGER_GRACE": "0.2"},
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    assert _within(5.0, lambda: not (_names() & left)), _names() & left

@@ -1,4 +1,5 @@
-"""The SIGKILL torture, short: 30 random rounds (tests/torture.py --rounds N for a soak)."""
+"""The SIGKILL torture, short: 30 random rounds of each mode (tests/torture.py --rounds N
+for a soak)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from _helpers import ROOT, script_env
 
 
 @pytest.mark.timeout(300)
-def test_torture_30_rounds(tmp_path):
+@pytest.mark.parametrize("mode", ["parent-per-round", "long-lived-parent"])
+def test_torture_30_rounds(tmp_path, mode):
     out = tmp_path / "figures.json"
+    extra = ["--long-lived-parent"] if mode == "long-lived-parent" else []
     result = subprocess.run(
         [
             sys.executable,
@@ -22,6 +25,7 @@ def test_torture_30_rounds(tmp_path):
             "30",
             "--json",
             str(out),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -29,8 +33,9 @@ def test_torture_30_rounds(tmp_path):
         env=script_env(),
     )
     figures = json.loads(out.read_text())
-    assert figures["rounds"] == 30
+    rounds = 31 if extra else 30  # and the long-lived parent's own death, last
+    assert figures["rounds"] == rounds
     counts = ("leaks", "orphans", "hangs", "failed_workloads")
     assert [figures[k] for k in counts] == [0, 0, 0, 0], result.stdout
     assert result.returncode == 0
-    assert sum(figures["kills"].values()) == 30
+    assert sum(figures["kills"].values()) == rounds

@@ -278,6 +278,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
     control = os.path.join(workdir, "control")
     os.mkdir(control)
     before_segments = _segments()
+    before_daemons = set(_daemon_pids())  # other trees' (a test session's): not ours to kill
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_MANAGER_GRACE=str(GRACE))
     log = open(os.path.join(control, "stderr"), "w+")  # noqa: SIM115 (closed below)
     parent = subprocess.Popen(
@@ -309,7 +310,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
             if target in ("producer", "consumer"):
                 victim = _read_pid(ranks[0] if target == "producer" else ranks[1])
             elif target == "daemon":
-                daemons = [p for p in _daemon_pids() if _alive(p)]
+                daemons = [p for p in _daemon_pids() if _alive(p) and p not in before_daemons]
                 victim = daemons[0] if daemons else None
             if victim is not None:
                 try:

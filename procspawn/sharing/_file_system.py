@@ -52,8 +52,7 @@ from ._strategy import SharingStrategy
 
 
 def _release(name: str) -> None:
-    let_go(name)
-    _manager.released(name)
+    _manager.released(name, gone=not let_go(name))
     _log.debug("released %s", name)
 
 
@@ -121,7 +120,7 @@ class FileSystemStrategy(SharingStrategy):
                 segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
             )
         except BaseException:
-            _manager.released(name)
+            _manager.released(name, gone=True)
             raise
         try:
             try:
@@ -131,7 +130,7 @@ class FileSystemStrategy(SharingStrategy):
                 return _map_named(fd, name, nbytes)
             except BaseException:
                 os.unlink(segment_path(name))
-                _manager.released(name)
+                _manager.released(name, gone=True)
                 raise
         finally:
             os.close(fd)
@@ -163,7 +162,7 @@ class FileSystemStrategy(SharingStrategy):
                     except BaseException:
                         _release(name)
                         raise
-                _manager.released(name)  # every holder let go meanwhile: the name is gone
+                _manager.released(name, gone=True)  # every holder let go meanwhile
             # No longer named: the memory lives as long as a descriptor or a mapping does.
             segment = Segment.map(
                 fd, size, strategy="file_system", key=name, header=HEADER, keep_fd=True
@@ -179,7 +178,7 @@ class FileSystemStrategy(SharingStrategy):
         try:
             fd = open_segment(name)
         except BaseException as exc:
-            _manager.released(name)
+            _manager.released(name, gone=True)
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(
                     errno.ENOENT,
@@ -189,7 +188,7 @@ class FileSystemStrategy(SharingStrategy):
             raise
         try:
             if not adopt(name, fd) and not hold(name, fd):
-                _manager.released(name)
+                _manager.released(name, gone=True)
                 raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed")
             try:
                 return _map_named(fd, name, size)

@@ -1,10 +1,13 @@
 """Level 1: client of the cleanup daemon (see ``_manager_main`` for the protocol).
 
 Every process that makes or maps a named segment tells the daemon of its process tree:
-``register`` before it creates or maps the name (so a hold is recorded before anyone could
-leak it), and ``released`` after it dropped its count. Each is one 64-byte send on a
-connection kept open for the life of the process: no round trip on the hot path. When
-the process dies, however it dies, the daemon drops what it still held.
+``register`` before it creates or maps the name for the first time (so the daemon knows
+of it before anyone could leak it), and, once the name is gone, that it can forget it.
+Each is one 64-byte send on a connection kept open for the life of the process: no round
+trip on the hot path, and none at all for a segment mapped again and again (a buffer the
+producer re-sends). When the process dies, however it dies, the daemon removes it from
+the holders of every name it registered; the holder tables say exactly which it held, so
+a name registered but no longer mapped costs nothing but a line in the daemon.
 
 One daemon per tree. A tree is what procspawn starts: its first process chooses the
 address (an abstract UNIX socket name); ranks and procspawn Process/Pool workers get it
@@ -18,7 +21,6 @@ it holds.
 
 from __future__ import annotations
 
-import collections
 import errno
 import os
 import secrets
@@ -38,7 +40,9 @@ _SEND_TIMEOUT = 10.0
 # on a thread that is inside _send already.
 _lock = threading.RLock()
 _conn: socket.socket | None = None
-_held: collections.Counter[str] = collections.Counter()
+_registered: dict[str, int] = {}  # name -> how many Segments of this process hold it
+_PRUNE = 1024  # forget unmapped registered names when there are more than this
+_prune_at = _PRUNE
 _address: str | None = None
 
 
@@ -57,7 +61,7 @@ def adopt_tree(address: str | None) -> None:
     global _address
     if address and address != _address:
         with _lock:
-            if _conn is not None or _held:
+            if _conn is not None or _registered:
                 return  # joined a tree already; keep its daemon
             _address = address
 
@@ -150,9 +154,8 @@ def _send(record: bytes) -> None:
             _conn = None
     conn = _connect_or_start(tree_address())
     _conn = conn
-    for name, count in _held.items():
-        for _ in range(count):
-            conn.sendall(_record(b"R", name))
+    for name in _registered:
+        conn.sendall(_record(b"R", name))
     _log.debug("connected to the cleanup daemon @%s", tree_address())
     threading.Thread(
         target=_watch, args=(conn,), name="procspawn-manager-watch", daemon=True
@@ -183,23 +186,41 @@ def _watch(conn: socket.socket) -> None:
 
 
 def register(name: str) -> None:
-    """Record a hold of ``name`` with this tree's daemon before it is created or mapped."""
+    """Tell this tree's daemon of ``name`` (once) before it is created or mapped here."""
     with _lock:
-        _held[name] += 1
-        _send(_record(b"R", name))
-
-
-def released(name: str) -> None:
-    """This process dropped its count of ``name``: the daemon forgets the hold."""
-    with _lock:
-        if _held[name] <= 1:
-            _held.pop(name, None)
+        held = _registered.get(name)
+        if held is None:
+            _registered[name] = 1
+            _send(_record(b"R", name))
         else:
-            _held[name] -= 1
-        try:
+            _registered[name] = held + 1
+
+
+def released(name: str, gone: bool) -> None:
+    """This process left the holders of ``name``; ``gone``: and the name was unlinked (or
+    never made), so the daemon can forget it."""
+    global _prune_at
+    with _lock:
+        held = _registered.get(name, 0) - 1
+        if gone and held <= 0:
+            _registered.pop(name, None)
+            _forget([name])
+            return
+        _registered[name] = max(held, 0)
+        if len(_registered) > _prune_at:
+            unmapped = [n for n, k in _registered.items() if k == 0]
+            for n in unmapped:
+                del _registered[n]
+            _forget(unmapped)
+            _prune_at = max(_PRUNE, 2 * len(_registered))
+
+
+def _forget(names: list[str]) -> None:
+    try:
+        for name in names:
             _send(_record(b"U", name))
-        except OSError:
-            pass  # the count is dropped already; a new daemon only hears of what is held
+    except OSError:
+        pass  # a new daemon hears only of what is registered
 
 
 def query(address: str, timeout: float = 5.0) -> list[str] | None:
@@ -229,7 +250,7 @@ def _after_fork_in_child() -> None:
     conn, _conn = _conn, None
     if conn is not None:
         conn.close()
-    _held.clear()
+    _registered.clear()
     _lock = threading.RLock()
 
 

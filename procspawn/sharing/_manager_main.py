@@ -15,18 +15,19 @@ as a message (in a socket buffer, or waiting for ``DupFd``) does.
 
     client ──connect (abstract UNIX socket, same uid only: SO_PEERCRED)──▶ daemon
     client ──"R" + name  (64-byte record, fire-and-forget)──────▶ names[client].add(name)
-    client ──"U" + name ────────────────────────────────────────▶ names[client].discard
+    client ──"U" + name  (the name is gone, or not mapped) ─────▶ names[client].discard
     client exits / is SIGKILLed ──EOF──▶ for each name it registered: remove the client's
                                          pid from the holders, unlink when none is left
     no client left for GRACE seconds ──▶ unlink what it saw that nobody maps or holds
                                          open any more, and exit
 
-A client sends ``R`` before it creates or maps a name and ``U`` after it left the
-holders, so the daemon knows of every name a dead client may hold, and the table says
-exactly whether it did. One more record, ``L``, asks for the names held (``procspawn info`` /
-``cleanup``): the daemon answers with them, one per line, then a line ``.``, and closes
-that connection. Names that are not ``procspawn_<pid>_<16 hex digits>`` are ignored, so
-the daemon can only ever touch the kind of name procspawn creates, and only in /dev/shm.
+A client sends ``R`` before it first creates or maps a name and ``U`` once it no longer
+maps it (when the name is gone, or to forget old names), so the daemon knows of every
+name a dead client may hold, and the table says exactly whether it did. One more record,
+``L``, asks for the names held (``procspawn info`` / ``cleanup``): the daemon answers with
+them, one per line, then a line ``.``, and closes that connection. Names that are not
+``procspawn_<pid>_<16 hex digits>`` are ignored, so the daemon can only ever touch the
+kind of name procspawn creates, and only in /dev/shm.
 
 When a whole tree is SIGKILLed at once, daemon included, nobody is left to clean: the
 next daemon of this user sweeps at start-up (``sweep``), and so does ``procspawn cleanup``.
@@ -35,8 +36,6 @@ next daemon of this user sweeps at start-up (``sweep``), and so does ``procspawn
 from __future__ import annotations
 
 import argparse
-import array
-import collections
 import fcntl
 import os
 import re
@@ -79,7 +78,7 @@ _FREE = b"\0\0\0\0"
 
 
 def segment_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+    return SHM_DIR + "/" + name
 
 
 def open_segment(name: str) -> int:
@@ -136,7 +135,7 @@ def hold(name: str, fd: int, inflight: bool = False) -> bool:
     receiver takes over (``adopt``); a daemon leaves it when the sender dies.
     """
     with _Locked(fd) as table:
-        if os.fstat(fd).st_nlink == 0 or not _count(table):
+        if _empty(table) or os.fstat(fd).st_nlink == 0:
             return False
         slot = _find(table, _FREE)
         if slot < 0:
@@ -163,7 +162,7 @@ def adopt(name: str, fd: int) -> bool:
 
 def drop_inflight(name: str) -> int:
     """A message's slot is not needed (its receiver maps the segment already, or it was
-    never sent): give it back; unlink if nobody is left. Returns the holders left."""
+    never sent): give it back; unlink if nobody is left. Returns 0 once unlinked."""
     try:
         fd = open_segment(name)
     except FileNotFoundError:
@@ -178,10 +177,10 @@ def drop_inflight(name: str) -> int:
                     table[slot : slot + 4] = _FREE
                     os.pwrite(fd, _FREE, slot)
                     break
-            left = _count(table)
-            if left == 0:
+            if _empty(table):
                 _unlink(name)
-            return left
+                return 0
+            return 1
     finally:
         os.close(fd)
 
@@ -194,15 +193,15 @@ def _unlink(name: str) -> None:
     _log(f"unlinked {name}")
 
 
-def _count(table: bytes | bytearray) -> int:
-    """How many slots are taken."""
-    return _SLOTS - array.array("i", table).count(0)
+def _empty(table: bytes | bytearray) -> bool:
+    """No slot is taken (every byte zero)."""
+    return table.count(0) == len(table)
 
 
-def let_go(name: str, pid: int | None = None, every: bool = False) -> int:
+def let_go(name: str, pid: int | None = None, every: bool = False) -> bool:
     """Remove ``pid`` (default: this process) from a segment's holders, once or ``every``
-    time it is there; unlink the segment when nobody is left. Returns how many holders
-    are left (0 when the name is gone).
+    time it is there; unlink the segment when nobody is left. Returns whether anyone
+    still holds it (False when the name is gone).
 
     With ``every`` (``pid`` is dead), an empty table is unlinked too when ``pid`` or a
     dead process created the segment: it died between creating the name and taking
@@ -210,12 +209,10 @@ def let_go(name: str, pid: int | None = None, every: bool = False) -> int:
     try:
         fd = open_segment(name)
     except FileNotFoundError:
-        return 0
+        return False
     word = _slot_word(os.getpid() if pid is None else pid)
     try:
         with _Locked(fd) as current:
-            if os.fstat(fd).st_nlink == 0:
-                return 0
             table = bytearray(current)
             changed = False
             while (slot := _find(table, word)) >= 0:
@@ -224,13 +221,15 @@ def let_go(name: str, pid: int | None = None, every: bool = False) -> int:
                 changed = True
                 if not every:
                     break
-            left = _count(table)
-            if left == 0 and not changed and every:
+            if not _empty(table):
+                return True
+            if not changed and every:
                 creator = int(NAME_RE.fullmatch(name).group(1))  # type: ignore[union-attr]
                 changed = creator == pid or not _alive(creator)
-            if changed and left == 0:
+            if changed:
                 _unlink(name)
-            return left
+                return False
+            return True  # being made right now by its living creator
     finally:
         os.close(fd)
 
@@ -384,17 +383,17 @@ class _Client:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.buf = bytearray()
-        self.holds: collections.Counter[str] = collections.Counter()
+        self.holds: set[str] = set()
 
 
 def _let_go(client: _Client) -> None:
     """A client is gone: remove it from the holders of every name it registered."""
     for name in client.holds:
         try:
-            left = let_go(name, client.pid, every=True)
+            held = let_go(name, client.pid, every=True)
         except OSError:
             continue
-        _log(f"client {client.pid} gone: {name} has {left} holder(s) left")
+        _log(f"client {client.pid} gone: {name} {'still held' if held else 'freed'}")
     client.holds.clear()
 
 
@@ -459,16 +458,14 @@ def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
                 if not NAME_RE.fullmatch(name):
                     continue
                 if op == b"R":
-                    client.holds[name] += 1
+                    client.holds.add(name)
                     seen.add(name)
-                elif op == b"U" and client.holds[name] > 0:
-                    client.holds[name] -= 1
-                    if not client.holds[name]:
-                        del client.holds[name]
+                elif op == b"U":
+                    client.holds.discard(name)
             del buf[:whole]
             if buf[:1] == b"L":
-                held = {n for c in clients.values() for n, k in c.holds.items() if k > 0}
-                _answer(sock, sorted(held))
+                held = {n for c in clients.values() for n in c.holds}
+                _answer(sock, [n for n in held if os.path.exists(segment_path(n))])
                 drop(sock)
     sel.unregister(listener)
     listener.close()  # new clients now fail to connect and start a daemon of their own

@@ -10,10 +10,9 @@ segment opened for this one message), which closes them with ``close()``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 _local = threading.local()
@@ -122,26 +121,20 @@ class RecvState:
         self.fds = []
 
 
-@contextlib.contextmanager
-def sending_into(state: SendState) -> Iterator[SendState]:
-    """Make ``state`` the message reducers on this thread add to."""
-    previous = getattr(_local, "send", None)
+def begin_send(state: SendState | None) -> SendState | None:
+    """Make ``state`` the message reducers on this thread add to; returns the previous one,
+    for ``begin_send(previous)`` afterwards (plain calls: this is on every message)."""
+    previous: SendState | None = getattr(_local, "send", None)
     _local.send = state
-    try:
-        yield state
-    finally:
-        _local.send = previous
+    return previous
 
 
-@contextlib.contextmanager
-def receiving_from(state: RecvState) -> Iterator[RecvState]:
-    """Make ``state`` the message rebuild functions on this thread read from."""
-    previous = getattr(_local, "recv", None)
+def begin_receive(state: RecvState | None) -> RecvState | None:
+    """Make ``state`` the message rebuild functions on this thread read from; returns the
+    previous one, for ``begin_receive(previous)`` afterwards."""
+    previous: RecvState | None = getattr(_local, "recv", None)
     _local.recv = state
-    try:
-        yield state
-    finally:
-        _local.recv = previous
+    return previous
 
 
 def sending() -> SendState:

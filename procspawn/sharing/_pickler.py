@@ -24,7 +24,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from . import _registry
-from ._message import Message, RecvState, SendState, receiving_from, sending_into
+from ._message import Message, RecvState, SendState, begin_receive, begin_send
 
 _local = threading.local()
 
@@ -57,6 +57,15 @@ _PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
 _PLAIN_CONTAINERS = (tuple, list, set, frozenset)
 _PLAIN_LIMIT = 10_000
 _PLAIN_TYPES = (*_PLAIN_LEAVES, *_PLAIN_CONTAINERS, dict)
+_overridden = (-1, False)  # (registry version, whether a plain type has a reducer)
+
+
+def _plain_types_overridden() -> bool:
+    """Whether a reducer is registered for a plain type (then it must run)."""
+    global _overridden
+    if _overridden[0] != _registry.version:
+        _overridden = (_registry.version, any(t in _registry.reducers for t in _PLAIN_TYPES))
+    return _overridden[1]
 
 
 _NOT_PLAIN, _PLAIN, _PLAIN_WITH_ARRAYS = 0, 1, 2
@@ -94,7 +103,7 @@ def _is_plain(obj: Any) -> int:
                 return _NOT_PLAIN
         else:
             return _NOT_PLAIN
-    if any(t in _registry.reducers for t in _PLAIN_TYPES):
+    if _plain_types_overridden():
         return _PLAIN_WITH_ARRAYS  # a reducer registered for a plain type must run
     return kind
 
@@ -201,20 +210,22 @@ def dumps(obj: Any, deferred: list[Any] | None = None) -> Message:
     if kind == _PLAIN:  # nothing to share, nothing to reduce: the stdlib pickle as it is
         return Message(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
     state = SendState()
+    previous = begin_send(state)
     try:
-        with sending_into(state):
-            if kind == _PLAIN_WITH_ARRAYS:
-                data = _plain_dumps(obj)
+        if kind == _PLAIN_WITH_ARRAYS:
+            data = _plain_dumps(obj)
+        else:
+            buf = io.BytesIO()
+            if deferred is None:
+                _cloud_picklers()[0](buf).dump(obj)
             else:
-                buf = io.BytesIO()
-                if deferred is None:
-                    _cloud_picklers()[0](buf).dump(obj)
-                else:
-                    _cloud_picklers()[1](buf, deferred).dump(obj)
-                data = buf.getvalue()
+                _cloud_picklers()[1](buf, deferred).dump(obj)
+            data = buf.getvalue()
     except BaseException:
         state.discard()
         raise
+    finally:
+        begin_send(previous)
     return state.message(data)
 
 
@@ -225,10 +236,11 @@ def loads(
 ) -> Any:
     """Unpickle a message; closes every descriptor in ``fds`` no rebuild function took."""
     state = RecvState(list(fds))
+    previous = begin_receive(state)
     try:
-        with receiving_from(state):
-            if deferred is None:
-                return pickle.loads(data)
-            return _DeferredUnpickler(io.BytesIO(data), deferred).load()
+        if deferred is None:
+            return pickle.loads(data)
+        return _DeferredUnpickler(io.BytesIO(data), deferred).load()
     finally:
+        begin_receive(previous)
         state.close_rest()

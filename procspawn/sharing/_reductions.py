@@ -76,8 +76,11 @@ def _reduce_for_stdlib(array: np.ndarray) -> Any:
         return array.__reduce_ex__(_NUMPY_PROTOCOL)
     segment, offset = found
     state = _message.SendState()
-    with _message.sending_into(state):
+    previous = _message.begin_send(state)
+    try:
         handle = _handles.reduce_segment(segment)
+    finally:
+        _message.begin_send(previous)
     dupfd = None
     try:
         if state.fds:
@@ -124,10 +127,11 @@ def _dupfd(fd: int, owned: list[int]) -> Any:
 
 def _rebuild_from_stdlib(handle: _handles.Handle, dupfd: Any, *array_layout: Any) -> np.ndarray:
     state = _message.RecvState([_detach(dupfd)] if dupfd is not None else [])
+    previous = _message.begin_receive(state)
     try:
-        with _message.receiving_from(state):
-            segment = _handles.rebuild_segment(handle)
+        segment = _handles.rebuild_segment(handle)
     finally:
+        _message.begin_receive(previous)
         state.close_rest()
     return array_over(segment, *array_layout)
 

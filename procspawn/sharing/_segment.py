@@ -7,10 +7,11 @@ strategy asks it to keep one (file_descriptor keeps the memfd, to send it on).
 
 A Segment exposes ``__array_interface__``, so ``np.asarray(segment)`` is a uint8 array
 whose ``.base`` is the segment; every array built on it keeps it alive, and the region is
-unmapped when the last one is gone. Release runs through ``multiprocessing.util.Finalize``:
-on garbage collection, and at exit of the process that created the Segment (including
-fork/forkserver children, which skip ``atexit``), but never in a forked child that merely
-inherited it.
+unmapped when the last one is gone, by a plain weak-reference callback (much cheaper than
+a ``util.Finalize``: this is on every received message). A strategy's ``on_release`` (the
+file_system holder table) also runs at exit for the segments still alive then, through
+one ``util.Finalize`` (so fork/forkserver children, which skip ``atexit``, run it too),
+but never in a forked child that merely inherited the Segment.
 """
 
 from __future__ import annotations
@@ -38,18 +39,22 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-_exiting = False
+# weak reference -> (pid, map address, map length, fd, on_release) of every live Segment
+_pending: dict[weakref.ref[Any], tuple[Any, ...]] = {}
 
 
-def _set_exiting() -> None:
-    global _exiting
-    _exiting = True
+def _release_at_exit() -> None:
+    # Arrays may still be read during interpreter teardown: give back only what the
+    # strategy holds for other processes to see (the pages go with the process).
+    me = os.getpid()
+    for ref, args in list(_pending.items()):
+        pid, _, _, _, on_release = args
+        if on_release is not None and pid == me and _pending.pop(ref, None) is not None:
+            on_release()
 
 
-def _register_exit_flag() -> None:
-    # Runs before the segment finalizers at exit (higher priority): from then on a release
-    # keeps the pages mapped, because arrays may still be read during interpreter teardown.
-    util.Finalize(None, _set_exiting, exitpriority=1_000_000)
+def _register_exit() -> None:
+    util.Finalize(None, _release_at_exit, exitpriority=-100)
 
 
 class _AfterFork:
@@ -57,8 +62,8 @@ class _AfterFork:
 
 
 _after_fork_anchor = _AfterFork()
-_register_exit_flag()
-util.register_after_fork(_after_fork_anchor, lambda _: _register_exit_flag())
+_register_exit()
+util.register_after_fork(_after_fork_anchor, lambda _: _register_exit())
 
 
 def map_fd(fd: int, length: int, offset: int = 0) -> int:
@@ -91,26 +96,6 @@ def _hint(err: int) -> str:
     )
 
 
-def _release(
-    pid: int, address: int, length: int, fd: int, on_release: Callable[[], Any] | None
-) -> None:
-    if os.getpid() != pid:
-        return  # a forked child that inherited the Segment: the creator releases it
-    if not _exiting:
-        _libc.munmap(address, length)
-    if fd >= 0:
-        os.close(fd)
-    if on_release is not None:
-        on_release()
-
-
-# Segments without an ``on_release`` (nothing to do at exit: the kernel unmaps and closes)
-# are released by a plain weak-reference callback, much cheaper than a util.Finalize, only
-# when they are garbage (so unmapping is safe even during teardown); ``_pending`` keeps
-# those weak references alive with their release arguments.
-_pending: dict[weakref.ref[Any], tuple[Any, ...]] = {}
-
-
 def _collected(
     ref: weakref.ref[Any],
     pending: dict[Any, Any] = _pending,
@@ -122,11 +107,13 @@ def _collected(
     # teardown is released after module globals may have been cleared.
     args = pending.pop(ref, None)
     if args is not None:
-        pid, address, length, fd, _ = args
+        pid, address, length, fd, on_release = args
         if getpid() == pid:  # not a forked child that merely inherited it
             munmap(address, length)
             if fd >= 0:
                 close(fd)
+            if on_release is not None:
+                on_release()
 
 
 class Segment:
@@ -181,12 +168,8 @@ class Segment:
             "data": (address, False),
             "version": 3,
         }
-        args = (os.getpid(), map_address, map_length, fd, on_release)
-        if on_release is None:
-            self._finalizer: Any = weakref.ref(self, _collected)
-            _pending[self._finalizer] = args
-        else:  # also released at exit: on_release may have to tell other processes
-            self._finalizer = util.Finalize(self, _release, args=args, exitpriority=-100)
+        self._finalizer = weakref.ref(self, _collected)
+        _pending[self._finalizer] = (os.getpid(), map_address, map_length, fd, on_release)
 
     @classmethod
     def map(

@@ -243,14 +243,19 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     end = time.monotonic() + 5
     while (_segments() - before_segments) and time.monotonic() < end:
         time.sleep(0.05)
-    leaked = _segments() - before_segments
-    result["leaks"] = len(leaked)
+    result["leaks"] = _remove_leaked(before_segments)
+    return result
+
+
+def _remove_leaked(before: set[str]) -> int:
+    """Unlink the segments made since ``before`` (so a leak is counted once); how many."""
+    leaked = _segments() - before
     for name in leaked:
         try:
             os.unlink(os.path.join("/dev/shm", name))
         except FileNotFoundError:
             pass
-    return result
+    return len(leaked)
 
 
 def _alive(pid: int | None) -> bool:
@@ -350,13 +355,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
     last["orphans"] = len(_children())
     for pid in _children():
         os.kill(pid, signal.SIGKILL)
-    leaked = _segments() - before_segments
-    last["leaks"] = len(leaked)
-    for name in leaked:
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except FileNotFoundError:
-            pass
+    last["leaks"] = _remove_leaked(before_segments)
     log.seek(0)
     if any(r["failed"] or r["hang"] for r in results):
         last["stderr"] = log.read()[-2000:]

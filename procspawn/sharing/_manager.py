@@ -152,14 +152,25 @@ def _send(record: bytes) -> None:
         except OSError:
             _conn.close()
             _conn = None
-    conn = _connect_or_start(tree_address())
-    _conn = conn
-    for name in _registered:
-        conn.sendall(_record(b"R", name))
-    _log.debug("connected to the cleanup daemon @%s", tree_address())
-    threading.Thread(
-        target=_watch, args=(conn,), name="procspawn-manager-watch", daemon=True
-    ).start()
+    for _ in range(100):
+        conn = _connect_or_start(tree_address())
+        try:
+            # the record itself is among these if it is an "R"; a "U" need not be sent
+            for name in _registered:
+                conn.sendall(_record(b"R", name))
+        except OSError:
+            # connected to a daemon killed at that very moment (its listener was still
+            # open): the kernel resets the connection; connect again, or start a new one
+            conn.close()
+            time.sleep(0.01)
+            continue
+        _conn = conn
+        _log.debug("connected to the cleanup daemon @%s", tree_address())
+        threading.Thread(
+            target=_watch, args=(conn,), name="procspawn-manager-watch", daemon=True
+        ).start()
+        return
+    raise OSError(f"the cleanup daemon at @{tree_address()} keeps closing on this process")
 
 
 def _watch(conn: socket.socket) -> None:

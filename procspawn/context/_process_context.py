@@ -18,7 +18,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..sharing import _pickler
-from ..sharing._fdpass import ChannelClosed, FdLimitError, MessageReader
+from ..sharing._fdpass import ChannelClosed, MessageReader
+from ..sharing._limits import FdLimitError
 from ._errors import (
     ProcessException,
     ProcessExitedException,

@@ -22,7 +22,8 @@ from typing import Any
 
 from . import _message, _pickler
 from ._connection import Pipe
-from ._fdpass import FdLimitError, message_size
+from ._fdpass import message_size
+from ._limits import FdLimitError
 
 _SENTINEL = object()
 _DIRECT_BYTES = 1 << 16  # put() itself may send messages up to this size (see _send_now)

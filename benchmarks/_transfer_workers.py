@@ -7,6 +7,9 @@ A transport is named by its family and mode:
   only its name is sent), "procspawn" or "torch";
 * mode "shared" (one array in shared memory, made once, the same one put every time),
   "unshared" (a fresh plain copy put every time, which the transport must move) or
+  "filled" (procspawn and torch only: a new array filled with FILL, then moved into shared
+  memory, for every item: ``sharing.share_memory_(np.full(...))`` /
+  ``torch.full(...).share_memory_()``, every page written as fresh data would be), or
   "fresh" (procspawn and torch only: a new zero-filled shared array made for every item,
   its last byte set to FILL, put and dropped by the producer).
 
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 FILL = 7  # every byte the producer sends; the consumer checks the last one
+FRESH_MODES = ("fresh", "filled")  # a new shared array per item
 LIVE_FD_LIMIT = 1024  # RLIMIT_NOFILE (soft and hard) of the many-live-arrays consumer
 LIVE_ITEM_FLOATS = 64
 PUT_POLL_SECONDS = 0.2
@@ -108,7 +112,7 @@ def produce_paced(
             for _ in range(n):
                 before_make = time.monotonic()
                 item = make_item()
-                starts.append(before_make if mode == "fresh" else time.monotonic())
+                starts.append(before_make if mode in FRESH_MODES else time.monotonic())
                 q.put(item)
                 del item  # the Queue keeps it until it is sent
                 ack.recv()
@@ -134,7 +138,7 @@ def consume_paced(
                 _check(item, family, nbytes)
                 checked = time.monotonic()
                 del item
-                ends.append(time.monotonic() if mode == "fresh" else checked)
+                ends.append(time.monotonic() if mode in FRESH_MODES else checked)
                 ack.send(None)
             conn.send(("ends", ends))
     except Exception as exc:
@@ -160,6 +164,8 @@ def _item_maker(
             return lambda: array
         if mode == "fresh":
             return lambda: _marked(sharing.zeros(nbytes, dtype=np.uint8))
+        if mode == "filled":
+            return lambda: sharing.share_memory_(np.full(nbytes, FILL, np.uint8))
     return np.full(nbytes, FILL, np.uint8).copy
 
 
@@ -198,6 +204,8 @@ def _torch_maker(mode: str, strategy: str | None, nbytes: int) -> Callable[[], A
     torch.multiprocessing.set_sharing_strategy(strategy)
     if mode == "fresh":
         return lambda: _marked(torch.zeros(nbytes, dtype=torch.uint8).share_memory_())
+    if mode == "filled":
+        return lambda: torch.full((nbytes,), FILL, dtype=torch.uint8).share_memory_()
     tensor = torch.full((nbytes,), FILL, dtype=torch.uint8)
     if mode == "shared":
         tensor.share_memory_()

@@ -52,7 +52,11 @@ just after the consumer's drop (``time.monotonic()``), so it includes making the
 memory, sending its handle, mapping it in the consumer and releasing it there; median of
 N = 100 items at 4 KiB and 1 MiB, 30 at 64 MiB (the first n/10 not counted). Rows:
 procspawn and torch, file_descriptor and file_system; "x torch fd" = time / the torch
-file_descriptor row of the same size.
+file_descriptor row of the same size and mode. "fresh" rows touch one byte of the new
+array, which flatters memory that is allocated as it is touched (a memfd); "filled" rows
+write every byte, as a step that ships new data does: the producer makes
+``np.full(nbytes, 7)`` and moves it into shared memory (``sharing.share_memory_`` /
+``torch.full(...).share_memory_()``), timed the same way.
 
 Many live arrays. A consumer lowers RLIMIT_NOFILE to (1024, 1024), then receives and
 keeps 10,000 and 100,000 shared arrays of 64 float32 (the producer makes each one with
@@ -294,7 +298,10 @@ PACED_TRANSPORTS = (
     *(Transport(f, "shared", s) for f in ("procspawn", "torch") for s in STRATEGIES),
 )
 FRESH_TRANSPORTS = tuple(
-    Transport(f, "fresh", s) for f in ("procspawn", "torch") for s in STRATEGIES
+    Transport(f, m, s)
+    for m in ("fresh", "filled")
+    for f in ("procspawn", "torch")
+    for s in STRATEGIES
 )
 
 
@@ -353,7 +360,7 @@ def measure_paced(
             else:
                 samples = problem
             rows.append(latency_row(size, nb, transport, samples))
-            table = "fresh" if transport.mode == "fresh" else "paced"
+            table = "fresh" if transport.mode in workers.FRESH_MODES else "paced"
             print(f"  {table} {size:>8}  {transport.label}: done", file=sys.stderr)
     return rows
 
@@ -362,7 +369,9 @@ def paced_table(rows: list[dict[str, Any]]) -> str:
     """The paced or fresh rows; the "x small msg" column only when there is a small row."""
     small = {r["size"]: r["seconds"] for r in rows if r["transport"] == "small msg"}
     torch_fd = {
-        r["size"]: r["seconds"] for r in rows if r["transport"].startswith("torch file_desc")
+        (r["size"], r["mode"]): r["seconds"]
+        for r in rows
+        if r["transport"].startswith("torch file_desc")
     }
     headers = ["size", "transport", "ms/item", "x torch fd"] + (["x small msg"] if small else [])
     lines = []
@@ -376,7 +385,7 @@ def paced_table(rows: list[dict[str, Any]]) -> str:
             row["size"],
             row["transport"],
             f"{seconds * 1e3:.3f}",
-            common.ratio(seconds, torch_fd.get(row["size"])),
+            common.ratio(seconds, torch_fd.get((row["size"], row["mode"]))),
         ]
         if small:
             line.append(common.ratio(seconds, small.get(row["size"])))

@@ -226,3 +226,37 @@ def test_a_tree_killed_whole_is_swept_by_the_next_daemon(tmp_path):
     )
     assert fresh.returncode == 0, fresh.stderr
     assert _within(5.0, lambda: not (_names() & left)), _names() & left
+
+
+def _return_then_fail(rank):
+    if rank == 0:
+        a = sharing.zeros(100_000)
+        a[:] = 1
+        return a  # received by the parent before rank 1 fails
+    time.sleep(1.0)
+    raise ValueError("rank 1 fails after rank 0 returned")
+
+
+@pytest.mark.parametrize("how", ["join=True", "join=False"])
+def test_a_failed_spawn_leaves_no_reference_cycle_holding_received_arrays(strategy, how):
+    # After a failure the finished ranks' results must go when the user drops the error
+    # (and the context), without waiting for the cyclic garbage collector.
+    maps = len(_shared_mappings())
+    gc_was_on = __import__("gc").isenabled()
+    __import__("gc").disable()
+    try:
+        if how == "join=True":
+            with pytest.raises(mp.ProcessRaisedException):
+                mp.spawn(_return_then_fail, nprocs=2, start_method="fork")
+        else:
+            ctx = mp.spawn(_return_then_fail, nprocs=2, start_method="fork", join=False)
+            with pytest.raises(mp.ProcessRaisedException):
+                while not ctx.join():
+                    pass
+            with pytest.raises(mp.ProcessRaisedException):
+                ctx.join()  # raised again, as before
+            del ctx
+        assert len(_shared_mappings()) == maps, _shared_mappings()
+    finally:
+        if gc_was_on:
+            __import__("gc").enable()

@@ -341,7 +341,12 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
             end = time.monotonic() + 5
             while (_segments() - before_segments - own) and time.monotonic() < end:
                 time.sleep(0.05)
-            result["leaks"] = len(_segments() - before_segments - own)
+            leaked = _segments() - before_segments - own
+            result["leaks"] = len(leaked)
+            if leaked:  # who holds them: pids in their tables, and whether each lives
+                from procspawn.sharing._manager_main import holders
+
+                result["holders"] = {n: [(p, _alive(p)) for p in holders(n)] for n in leaked}
             result["own_kept"] = own <= _segments()
             result["failed"] = result["failed"] or not result["own_kept"]
             results.append(result)

@@ -8,6 +8,7 @@ message surfaces the moment it is sent, whatever the rank.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import signal
@@ -99,7 +100,7 @@ class ProcessContext:
                 ProcessException saying so.
         """
         if self._error is not None:
-            raise self._error
+            raise _detached(self._error)  # a copy: the raise gives it a traceback to here
         if self._closed:
             return True
         if grace_period is None:
@@ -129,7 +130,7 @@ class ProcessContext:
                     else:
                         self._on_exit(rank)
         except ProcessException as exc:
-            self._error = exc
+            self._error = _detached(exc)
             self._stop_all(grace_period)
             raise
         except BaseException as exc:  # Ctrl-C, or anything else that stops us waiting
@@ -188,12 +189,13 @@ class ProcessContext:
                 cause = pickle.loads(exc_blob)
             except Exception:
                 cause = None
-        error = ProcessRaisedException(
+        # Raised without a local name: a frame that refers to the exception it raises is a
+        # reference cycle (exception -> traceback -> frame -> exception), and this frame
+        # refers to the context, whose results (shared arrays) would wait for the cyclic
+        # garbage collector.
+        raise ProcessRaisedException(
             f"process {rank} terminated with the following error:\n{text}", rank, pid
-        )
-        if isinstance(cause, BaseException):
-            raise error from cause
-        raise error
+        ) from (cause if isinstance(cause, BaseException) else None)
 
     def _on_exit(self, rank: int) -> None:
         proc = self.processes[rank]
@@ -251,6 +253,16 @@ class ProcessContext:
         if self._keepalive is not None:
             self._keepalive.close()
             self._keepalive = None
+
+
+def _detached(exc: ProcessException) -> ProcessException:
+    """A copy of ``exc`` for later ``join()`` calls to raise again, holding no traceback:
+    the context keeping the raised exception itself would be a reference cycle through the
+    traceback's frames (which refer to the context and its results)."""
+    twin = copy.copy(exc)
+    cause = exc.__cause__
+    twin.__cause__ = cause if cause is None or cause.__traceback__ is None else None
+    return twin
 
 
 def _signal(proc: BaseProcess, signum: int) -> None:

@@ -30,7 +30,9 @@ class _Call:
     """target(*args, **kwargs) of a Process, pickled by procspawn when the process starts."""
 
     def __init__(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.target, self.args, self.kwargs = target, args, kwargs
+        self.target: Any = target
+        self.args: Any = args
+        self.kwargs: Any = kwargs
         self.sent: list[StartupMessage] = []
 
     def __reduce__(self):
@@ -83,6 +85,9 @@ class _ProcessMixin:
             raise
         if call is not None:
             call.close()
+            # as the stdlib's start() does: the target and its arguments can be collected
+            self._procspawn_call = None
+            call.target = call.args = call.kwargs = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

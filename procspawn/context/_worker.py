@@ -25,6 +25,7 @@ def main(
     use_death_signal: bool,
 ) -> None:
     """Entry point of every rank (the ``multiprocessing.Process`` target)."""
+    channel.settimeout(None)  # blocking, whatever socket.setdefaulttimeout() says
     if use_death_signal:
         _posix.set_parent_death_signal()
     _posix.watch_parent(parent_pid)

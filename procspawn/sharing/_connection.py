@@ -25,6 +25,9 @@ class Connection:
         self._sock: socket.socket | None = None
         if not (readable or writable):
             raise ValueError("at least one of `readable` and `writable` must be True")
+        # blocking whatever socket.setdefaulttimeout() says (a program's network code may
+        # set one; it must not turn a recv() of ours into a TimeoutError)
+        sock.settimeout(None)
         self._sock = sock
         self._reader = MessageReader(sock)
         self._readable = readable
@@ -113,19 +116,74 @@ class Connection:
     # -- bytes -------------------------------------------------------------------------
 
     def send_bytes(self, buf: Any, offset: int = 0, size: int | None = None) -> None:
-        view = memoryview(buf).cast("B")
-        end = len(view) if size is None else offset + size
-        if offset < 0 or end > len(view) or (size is not None and size < 0):
-            raise ValueError("offset and size are out of bounds of the buffer")
-        send_message(self._check(writing=True), view[offset:end], [])
+        """Send ``size`` bytes of a bytes-like object from ``offset`` (default: the rest).
+
+        Raises:
+            ValueError: ``offset`` or ``size`` is negative or past the end of ``buf``.
+        """
+        sock = self._check(writing=True)
+        view = memoryview(buf)
+        if view.itemsize > 1:
+            view = view.cast("B")
+        n = view.nbytes
+        if offset < 0:
+            raise ValueError("offset is negative")
+        if n < offset:
+            raise ValueError("buffer length < offset")
+        if size is None:
+            size = n - offset
+        elif size < 0:
+            raise ValueError("size is negative")
+        elif offset + size > n:
+            raise ValueError("buffer length < offset + size")
+        send_message(sock, view[offset : offset + size], [])
 
     def recv_bytes(self, maxlength: int | None = None) -> bytes:
-        data, fds = self.recv_message()
-        for fd in fds:
-            os.close(fd)
+        """Receive one message sent with ``send_bytes``.
+
+        Raises:
+            ValueError: ``maxlength`` is negative.
+            OSError: the message is longer than ``maxlength``.
+            EOFError: the other end closed and nothing is left to receive.
+        """
+        if maxlength is not None and maxlength < 0:
+            raise ValueError("negative maxlength")
+        data = self._recv_raw()
         if maxlength is not None and len(data) > maxlength:
             raise OSError("bad message length")
         return bytes(data)
+
+    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
+        """Receive one message into the writable bytes-like ``buf`` from byte ``offset``;
+        returns its size.
+
+        Raises:
+            ValueError: ``offset`` is negative or past the end of ``buf``.
+            multiprocessing.BufferTooShort: the message does not fit; its bytes are the
+                exception's ``args[0]``.
+        """
+        self._check(reading=True)
+        with memoryview(buf) as view:
+            itemsize = view.itemsize
+            bytesize = itemsize * len(view)
+            if offset < 0:
+                raise ValueError("negative offset")
+            if offset > bytesize:
+                raise ValueError("offset too large")
+            data = self._recv_raw()
+            size = len(data)
+            if bytesize < offset + size:
+                from multiprocessing import BufferTooShort
+
+                raise BufferTooShort(bytes(data))
+            view.cast("B")[offset : offset + size] = data
+            return size
+
+    def _recv_raw(self) -> bytes | bytearray:
+        data, fds = self.recv_message()
+        for fd in fds:  # a message of objects read as bytes: its descriptors are not ours
+            os.close(fd)
+        return data
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """True when there is something to receive (waits up to ``timeout`` seconds)."""

@@ -86,9 +86,11 @@ def test_cleanup_dry_run_then_for_real(stray):
         mp.set_sharing_strategy("file_descriptor")
 
 
-def test_a_message_in_flight_survives_cleanup():
-    # The sender let go of the array after putting it: nobody maps the segment and its
-    # name is gone, but the message carries its descriptor, so cleanup cannot hurt it.
+def test_a_message_in_flight_survives_cleanup(stray):
+    # The sender let go of the array after putting it: nobody maps the segment; the
+    # message's own slot keeps the name, and its descriptor keeps the memory, so neither
+    # cleanup (which frees only what is old, unused and untracked: the stray) nor the
+    # sender's drop can hurt it. The receiver takes the name over; dropped, it goes.
     mp.set_sharing_strategy("file_system")
     try:
         q = mp.SimpleQueue()
@@ -97,10 +99,13 @@ def test_a_message_in_flight_survives_cleanup():
         [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
         q.put(sent)
         del sent
-        assert not os.path.exists(f"/dev/shm/{name}")  # the last holder unlinked it
+        assert os.path.exists(f"/dev/shm/{name}")  # held by the message
         result = json.loads(_cli("cleanup", "--json").stdout)
-        assert name not in [s["name"] for s in result["freed"]]
-        assert q.get().sum() == 500_000
+        assert [s["name"] for s in result["freed"]] == [stray]
+        got = q.get()
+        assert got.sum() == 500_000
+        del got
+        assert not os.path.exists(f"/dev/shm/{name}")
         q.close()
     finally:
         mp.set_sharing_strategy("file_descriptor")

@@ -260,3 +260,54 @@ def test_a_failed_spawn_leaves_no_reference_cycle_holding_received_arrays(strate
     finally:
         if gc_was_on:
             __import__("gc").enable()
+
+
+def _produce_plain(q, count, strategy):
+    mp.set_sharing_strategy(strategy)
+    for i in range(count):
+        q.put(np.full(MIB // 8, float(i)))  # not shared: copied into a segment at put
+    q.close()
+    q.join_thread()
+
+
+def test_plain_arrays_received_under_file_system_hold_no_descriptor():
+    # The copy made at put() is handed over whole to its receiver: it arrives as a named
+    # segment, so holding it costs no descriptor (the point of file_system), after the
+    # producer exited too; dropped, everything is back to the baseline.
+    fds, names = _fds(), _names()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_produce_plain, args=(q, 20, "file_system"))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    got = [q.get(timeout=30) for _ in range(20)]
+    assert [float(a[-1]) for a in got] == [float(i) for i in range(20)]
+    assert len(_names() - names) == 20  # named, one each
+    q.close()
+    q.join_thread()
+    p.close()
+    assert _fds() == fds  # and no descriptor held for them
+    del got
+    assert _within(2.0, lambda: _names() == names), _names() - names
+
+
+def test_messages_closed_unread_give_their_segments_back_while_the_program_lives():
+    # A consumer died with items still in its queue: the queue is dropped unread. The
+    # items' segments (file_system: each message holds a slot of its own) go back within
+    # a few seconds, while this process, a client of the tree's daemon, keeps running.
+    mp.set_sharing_strategy("file_system")
+    try:
+        names = _names()
+        q = mp.SimpleQueue()
+        for i in range(5):
+            a = sharing.zeros(10_000)
+            a[0] = i
+            q.put(a)
+            del a
+        assert len(_names() - names) == 5  # held by the messages in the queue
+        q.close()  # unread: the messages, and their descriptors, are gone
+        del q
+        assert _within(4.0, lambda: _names() == names), _names() - names
+    finally:
+        mp.set_sharing_strategy("file_descriptor")

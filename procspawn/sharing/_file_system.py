@@ -9,19 +9,19 @@ limits and very many arrays. Space is reserved when a segment is made
 and a full one must fail at allocation, not as a bus error later.
 
 A message carries a descriptor of each segment, opened for that message (SCM_RIGHTS on
-procspawn channels, DupFd on the stdlib's), and the receiver maps that descriptor, not
-the name. So a message keeps the memory alive for as long as it waits, after its sender
-exited too; if every holder let go meanwhile and the name is gone, the receiver maps the
-memory all the same and keeps the descriptor, as a memfd segment does (nothing named is
-left to leak). A message carries at most ``FDS_PER_MESSAGE`` descriptors: further
-segments (a batch of hundreds) travel by name, each with a slot of the message's own
-among the holders, which the receiver takes over; such a message outlives its sender
-too, and if it is never received its segments go when the tree's daemon exits.
+procspawn channels, DupFd on the stdlib's), and a slot of its own among the holders
+(``pid | TRANSFER``), which its receiver takes over: the array arrives named, holding no
+descriptor, even if the sender dropped it or died before it was received. The descriptor
+keeps the memory safe whatever happens to the name: if the slot was swept meanwhile and
+the name is gone, the receiver maps the memory all the same and keeps the descriptor, as
+a memfd segment does. A message carries at most ``FDS_PER_MESSAGE`` descriptors: further
+segments (a batch of hundreds) travel by name only, with a ``-pid`` slot that sweeps
+leave alone. A message that is never received keeps its slots' names until the tree's
+daemon exits (or ``procspawn cleanup``).
 
 The cleanup daemon (``_manager``) knows which process holds which name: a process
-registers a name before it creates or maps it and tells the daemon after it removed
-itself from the holders, and the daemon removes a dead process from the holders of every
-name it registered. Segments are opened by name
+registers a name before it creates or maps it, and the daemon removes a dead process from
+the holders of every name it registered (message slots stay). Segments are opened by name
 with O_NOFOLLOW and used only if they are regular files of this user with mode 0600.
 """
 
@@ -44,6 +44,7 @@ from ._manager_main import (
     first_holder,
     hold,
     let_go,
+    mark_message,
     open_segment,
     segment_path,
 )
@@ -92,21 +93,23 @@ def _open_for_message(name: str) -> int | None:
         raise
 
 
-def _send_by_name(name: str, state: _message.SendState) -> None:
+def _message_slot(name: str, fd: int, kind: str, state: _message.SendState) -> None:
     """Give the message a slot of its own among the holders, for its receiver to take
     over; a message that is never sent gives it back."""
+    if kind == "transfer":
+        mark_message(fd)  # before the slot: a slot is never seen without its mark
+    if not hold(name, fd, kind):
+        raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed meanwhile")
+    state.on_abandon.append(lambda: drop_inflight(name, kind))
+
+
+def _open_by_name(name: str) -> int:
     try:
-        fd = open_segment(name)
+        return open_segment(name)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise FdLimitError(f"shared segment {name} could not be opened to send it") from None
         raise
-    try:
-        if not hold(name, fd, inflight=True):
-            raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed meanwhile")
-    finally:
-        os.close(fd)
-    state.on_abandon.append(lambda: drop_inflight(name))
 
 
 class FileSystemStrategy(SharingStrategy):
@@ -138,25 +141,36 @@ class FileSystemStrategy(SharingStrategy):
     def reduce(self, segment: Segment) -> Any:
         state = _message.sending()
         if segment.name is None:  # its name was gone when it was received: keeps its fd
-            return (state.add_fd(segment.fd, segment), segment.key, segment.size, False)
+            return (state.add_fd(segment.fd, segment), segment.key, segment.size, "anon")
         name = segment.name
+        # The message keeps the sender's own slot until it is closed (a start-up message
+        # serves every rank), and holds a slot of its own, which outlives the sender for
+        # the receiver to take over: the array arrives named (no descriptor to keep) even
+        # if the sender dropped it, or died, before it was received.
+        state.keepalive.append(segment)
         if len(state.owned) < FDS_PER_MESSAGE:
             fd = _open_for_message(name)
             if fd is not None:
-                return (state.give_fd(fd), name, segment.size, True)
-        _send_by_name(name, state)
-        return (None, name, segment.size, True)
+                index = state.give_fd(fd)
+                _message_slot(name, fd, "transfer", state)
+                return (index, name, segment.size, "transfer")
+        fd = _open_by_name(name)
+        try:
+            _message_slot(name, fd, "inflight", state)
+        finally:
+            os.close(fd)
+        return (None, name, segment.size, "inflight")
 
     def rebuild(self, handle: Any) -> Segment:
-        index, name, size, named = handle
+        index, name, size, mode = handle
         if index is None:
             return self._rebuild_by_name(name, size)
         fd = _message.take_fd(index)
         kept = False
         try:
-            if named:
+            if mode != "anon":
                 _manager.register(name)
-                if hold(name, fd):
+                if (mode == "transfer" and adopt(name, fd, "transfer")) or hold(name, fd):
                     try:
                         return _map_named(fd, name, size)
                     except BaseException:
@@ -187,7 +201,7 @@ class FileSystemStrategy(SharingStrategy):
                 ) from None
             raise
         try:
-            if not adopt(name, fd) and not hold(name, fd):
+            if not adopt(name, fd, "inflight") and not hold(name, fd):
                 _manager.released(name, gone=True)
                 raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed")
             try:
@@ -199,6 +213,9 @@ class FileSystemStrategy(SharingStrategy):
             os.close(fd)
 
     def adopt_cached(self, handle: Any, segment: Segment) -> None:
-        index, name, _, _ = handle
-        if index is None:  # this process holds it already: the message's slot goes back
-            drop_inflight(name)
+        index, name, _, mode = handle
+        # this process holds it already: the message's own slot goes back
+        if index is None:
+            drop_inflight(name, "inflight")
+        elif mode == "transfer":
+            drop_inflight(name, "transfer")

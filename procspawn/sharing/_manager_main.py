@@ -122,47 +122,142 @@ def first_holder(fd: int) -> None:
     os.pwrite(fd, struct.pack("<i", os.getpid()), 0)
 
 
+# A slot is a holder's pid, or a message's: ``-pid`` of its sender when the message
+# carries the segment by name only, ``pid | TRANSFER`` when it also carries a descriptor
+# (a copy made for that message, handed over whole to its receiver).
+TRANSFER = 0x40000000
+_TOP_INFLIGHT = 0xFF  # top byte of -pid (pids are < 2**22)
+_TOP_TRANSFER = 0x40
+
+
 def _slot_word(pid: int) -> bytes:
     return struct.pack("<i", pid)
 
 
-def hold(name: str, fd: int, inflight: bool = False) -> bool:
-    """Add this process to the holders of the segment open as ``fd``.
+def _find_top(table: bytes | bytearray, top: int) -> int:
+    """The first slot whose top byte is ``top`` (a message's slot of that kind), or -1."""
+    i = table.find(bytes([top]), 3)
+    while i >= 0 and i % 4 != 3:
+        i = table.find(bytes([top]), i + 1)
+    return i - 3 if i >= 0 else -1
+
+
+def has_inflight(table: bytes | bytearray) -> bool:
+    """A message carrying the segment by name only holds a slot (a sweep must keep it)."""
+    return _find_top(table, _TOP_INFLIGHT) >= 0
+
+
+# Whether a message that carries a descriptor still exists anywhere (in a socket buffer,
+# with DupFd, in its receiver's hands): its sender takes an open-file-description read
+# lock on byte 0 of the descriptor it sends (F_OFD_SETLKW; not flock, which guards the
+# table). That lock lives exactly as long as the description, which every copy of the
+# descriptor shares, so when a channel is closed with the message unread, the lock goes.
+_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
+
+
+def _ofd_lock(fd: int, cmd: int, kind: int) -> None:
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks), padding
+    fcntl.fcntl(fd, cmd, struct.pack("hhqqi4x", kind, os.SEEK_SET, 0, 1, 0))
+
+
+def mark_message(fd: int) -> None:
+    """Mark the descriptor a message carries as alive for as long as the message is."""
+    _ofd_lock(fd, _OFD_SETLKW, fcntl.F_RDLCK)
+
+
+def _messages_alive(fd: int) -> bool:
+    """Whether a message marked with ``mark_message`` still exists (``fd``: our own open)."""
+    try:
+        _ofd_lock(fd, _OFD_SETLK, fcntl.F_WRLCK)
+    except OSError:
+        return True  # EAGAIN/EACCES: somebody's read lock
+    _ofd_lock(fd, _OFD_SETLK, fcntl.F_UNLCK)
+    return False
+
+
+def expire_transfers(name: str) -> bool:
+    """Give back the slots of messages that no longer exist (their channel was closed
+    unread) when no living process holds ``name``; unlink it if nobody is left. Returns
+    whether it was unlinked."""
+    try:
+        fd = open_segment(name)
+    except OSError:
+        return False
+    try:
+        with _Locked(fd) as current:
+            table = bytearray(current)
+            if _find_top(table, _TOP_TRANSFER) < 0 or _messages_alive(fd):
+                return False
+            for pid in struct.unpack(f"<{_SLOTS}i", table):
+                if 0 < pid < TRANSFER and _alive(pid):
+                    return False  # its holder will let go itself
+            while (slot := _find_top(table, _TOP_TRANSFER)) >= 0:
+                table[slot : slot + 4] = _FREE
+                os.pwrite(fd, _FREE, slot)
+            if _empty(table):
+                _unlink(name)
+                return True
+            return False
+    finally:
+        os.close(fd)
+
+
+def _reopen(fd: int) -> int:
+    # flock belongs to the open file description, which a descriptor received through
+    # SCM_RIGHTS, DupFd or fork shares with every other copy: lock through one of our own
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def hold(name: str, fd: int, kind: str = "holder") -> bool:
+    """Add a slot to the holders of the segment open as ``fd``: this process' own, or a
+    message's (``kind`` "inflight": by name only; "transfer": with a descriptor), which
+    its receiver takes over (``adopt``); a daemon leaves message slots alone.
 
     Returns False, changing nothing, when the segment is no longer named (its last
     holder, a daemon or a sweep unlinked it): then it is just memory, as a memfd is.
-    With ``inflight`` the slot is a message's (``-pid``: the sender's), which its
-    receiver takes over (``adopt``); a daemon leaves it when the sender dies.
     """
-    with _Locked(fd) as table:
-        if _empty(table) or os.fstat(fd).st_nlink == 0:
-            return False
-        slot = _find(table, _FREE)
-        if slot < 0:
-            raise OSError(
-                f"shared segment {name} is mapped by {_SLOTS} processes already, the most "
-                f"a file_system segment keeps track of; use the file_descriptor strategy"
-            )
-        os.pwrite(fd, _slot_word(-os.getpid() if inflight else os.getpid()), slot)
-        return True
+    pid = os.getpid()
+    word = {"holder": pid, "inflight": -pid, "transfer": pid | TRANSFER}[kind]
+    own = _reopen(fd)
+    try:
+        with _Locked(own) as table:
+            if _empty(table) or os.fstat(own).st_nlink == 0:
+                return False
+            slot = _find(table, _FREE)
+            if slot < 0:
+                raise OSError(
+                    f"shared segment {name} is mapped by {_SLOTS} processes already, the "
+                    f"most a file_system segment keeps track of; use file_descriptor"
+                )
+            os.pwrite(own, _slot_word(word), slot)
+            return True
+    finally:
+        os.close(own)
 
 
-def adopt(name: str, fd: int) -> bool:
-    """Take over a message's slot (any ``-pid``) as this process' own. False when there
-    is none left (the segment was freed meanwhile)."""
-    with _Locked(fd) as table:
-        if os.fstat(fd).st_nlink == 0:
-            return False
-        for slot in range(0, HEADER, 4):
-            if table[slot + 3] & 0x80:  # a negative pid: a message's slot
-                os.pwrite(fd, _slot_word(os.getpid()), slot)
-                return True
-        return False
+def adopt(name: str, fd: int, kind: str) -> bool:
+    """Take over a message's slot of ``kind`` ("inflight" or "transfer") as this
+    process' own. False when there is none (another receiver took it, or it was freed)."""
+    top = _TOP_INFLIGHT if kind == "inflight" else _TOP_TRANSFER
+    own = _reopen(fd)
+    try:
+        with _Locked(own) as table:
+            if os.fstat(own).st_nlink == 0:
+                return False
+            slot = _find_top(table, top)
+            if slot < 0:
+                return False
+            os.pwrite(own, _slot_word(os.getpid()), slot)
+            return True
+    finally:
+        os.close(own)
 
 
-def drop_inflight(name: str) -> int:
+def drop_inflight(name: str, kind: str = "inflight") -> int:
     """A message's slot is not needed (its receiver maps the segment already, or it was
     never sent): give it back; unlink if nobody is left. Returns 0 once unlinked."""
+    top = _TOP_INFLIGHT if kind == "inflight" else _TOP_TRANSFER
     try:
         fd = open_segment(name)
     except FileNotFoundError:
@@ -172,11 +267,10 @@ def drop_inflight(name: str) -> int:
             if os.fstat(fd).st_nlink == 0:
                 return 0
             table = bytearray(current)
-            for slot in range(0, HEADER, 4):
-                if table[slot + 3] & 0x80:
-                    table[slot : slot + 4] = _FREE
-                    os.pwrite(fd, _FREE, slot)
-                    break
+            slot = _find_top(table, top)
+            if slot >= 0:
+                table[slot : slot + 4] = _FREE
+                os.pwrite(fd, _FREE, slot)
             if _empty(table):
                 _unlink(name)
                 return 0
@@ -291,6 +385,19 @@ def in_use() -> dict[str, set[int]]:
     return found
 
 
+def _carried_by_name(name: str) -> bool:
+    """A message that carries ``name`` may still be read: nothing shows it in /proc, so
+    its slot (by name only) or its descriptor's lock is the only sign of it."""
+    try:
+        fd = open_segment(name)
+    except OSError:
+        return False
+    try:
+        return has_inflight(os.pread(fd, HEADER, 0)) or _messages_alive(fd)
+    finally:
+        os.close(fd)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
@@ -347,7 +454,7 @@ def sweep(
     used = in_use()
     freed = []
     for name, size in candidates:
-        if name in used:
+        if name in used or _carried_by_name(name):
             continue
         if not dry_run:
             try:
@@ -397,6 +504,22 @@ def _let_go(client: _Client) -> None:
     client.holds.clear()
 
 
+_CHECK = 1.0  # seconds between looks for the slots of messages that no longer exist
+
+
+def _expire(seen: set[str]) -> None:
+    """Give back the slots of messages closed unread; forget names that are gone."""
+    for name in list(seen):
+        if not os.path.exists(segment_path(name)):
+            seen.discard(name)
+            continue
+        try:
+            if expire_transfers(name):
+                _log(f"{name}: its messages were closed unread; freed")
+        except OSError:
+            continue
+
+
 def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
     """Run until no client is left for ``grace`` seconds; returns the names swept then."""
     clients: dict[socket.socket, _Client] = {}
@@ -415,6 +538,7 @@ def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
         if not clients:
             idle_since = time.monotonic()
 
+    next_check = time.monotonic() + _CHECK
     while True:
         timeout = None
         if not clients:
@@ -422,6 +546,12 @@ def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
             timeout = idle_since + grace - time.monotonic()
             if timeout <= 0:
                 break
+        if seen:
+            now = time.monotonic()
+            if now >= next_check:
+                _expire(seen)
+                next_check = now + _CHECK
+            timeout = min(timeout, next_check - now) if timeout is not None else next_check - now
         for key, _ in sel.select(timeout):
             sock = key.fileobj
             assert isinstance(sock, socket.socket)

@@ -311,3 +311,28 @@ def test_messages_closed_unread_give_their_segments_back_while_the_program_lives
         assert _within(4.0, lambda: _names() == names), _names() - names
     finally:
         mp.set_sharing_strategy("file_descriptor")
+
+
+@pytest.mark.timeout(30)
+def test_a_release_inside_a_table_update_of_the_same_thread_does_not_deadlock():
+    # The garbage collector may release a segment (a weak-reference callback) while this
+    # thread is inside a holder-table update of that same segment: locking it again
+    # through another open would wait for this very thread forever. It runs once the
+    # update is done instead.
+    from procspawn.sharing import _manager_main
+
+    mp.set_sharing_strategy("file_system")
+    try:
+        names = _names()
+        a = sharing.zeros(10)
+        [name] = _names() - names
+        fd = _manager_main.open_segment(name)
+        try:
+            with _manager_main._Locked(fd):
+                del a  # the last array: its segment is released right here
+                assert os.path.exists(f"/dev/shm/{name}")  # deferred, not deadlocked
+            assert not os.path.exists(f"/dev/shm/{name}")  # done once the lock was left
+        finally:
+            os.close(fd)
+    finally:
+        mp.set_sharing_strategy("file_descriptor")

@@ -47,12 +47,17 @@ from ._manager_main import (
     mark_message,
     open_segment,
     segment_path,
+    when_unlocked,
 )
 from ._segment import Segment
 from ._strategy import SharingStrategy
 
 
 def _release(name: str) -> None:
+    when_unlocked(lambda: _let_go(name))
+
+
+def _let_go(name: str) -> None:
     _manager.released(name, gone=not let_go(name))
     _log.debug("released %s", name)
 

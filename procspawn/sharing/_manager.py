@@ -156,7 +156,7 @@ def _send(record: bytes) -> None:
         conn = _connect_or_start(tree_address())
         try:
             # the record itself is among these if it is an "R"; a "U" need not be sent
-            for name in _registered:
+            for name in list(_registered):  # a release (GC callback) may change it
                 conn.sendall(_record(b"R", name))
         except OSError:
             # connected to a daemon killed at that very moment (its listener was still

@@ -44,7 +44,9 @@ import socket
 import stat
 import struct
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 RECORD = 64
 SHM_DIR = "/dev/shm"
@@ -102,6 +104,9 @@ def _find(table: bytes | bytearray, word: bytes) -> int:
     return i
 
 
+_here = threading.local()  # .depth: table locks this thread holds; .later: deferred work
+
+
 class _Locked:
     """flock(LOCK_EX) on a segment for the time of one change of its table."""
 
@@ -110,11 +115,36 @@ class _Locked:
 
     def __enter__(self) -> bytes:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
-        # short when its creator died before giving it its size: no slot is taken then
-        return os.pread(self.fd, HEADER, 0).ljust(HEADER, b"\0")
+        try:
+            # short when its creator died before giving it its size: no slot is taken then
+            table = os.pread(self.fd, HEADER, 0).ljust(HEADER, b"\0")
+        except BaseException:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            raise
+        _here.depth = getattr(_here, "depth", 0) + 1
+        return table
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
+        _here.depth -= 1
+        if not _here.depth:
+            later, _here.later = getattr(_here, "later", []), []
+            for work in later:
+                work()
+
+
+def when_unlocked(work: Callable[[], object]) -> None:
+    """Run ``work`` now, or, if this thread is inside a table lock, once it leaves it.
+
+    For releases run by the garbage collector (weak-reference callbacks), which can fire
+    on any allocation, inside a table lock too: taking a second lock on a segment there
+    (another open of the same file) would wait for this very thread forever."""
+    if getattr(_here, "depth", 0):
+        if not hasattr(_here, "later"):
+            _here.later = []
+        _here.later.append(work)
+    else:
+        work()
 
 
 def first_holder(fd: int) -> None:

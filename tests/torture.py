@@ -212,12 +212,7 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     elif target == "daemon":
         fresh = [p for p in _daemon_pids() if p not in before_daemons]
         victim = fresh[0] if fresh else None
-    if victim is not None:
-        try:
-            os.kill(victim, signal.SIGKILL)
-            result["killed"] = target
-        except ProcessLookupError:
-            result["killed"] = "finished first"  # the target was done already
+    result["killed"] = _kill(victim, target)
     try:
         parent.wait(max(0.1, deadline - time.monotonic()))
         result["hang"] = False
@@ -245,6 +240,17 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
         time.sleep(0.05)
     result["leaks"] = _remove_leaked(before_segments)
     return result
+
+
+def _kill(victim: int | None, target: str) -> str | None:
+    """SIGKILL ``victim`` (the process playing ``target``); what to record as killed."""
+    if victim is None:
+        return None
+    try:
+        os.kill(victim, signal.SIGKILL)
+        return target
+    except ProcessLookupError:
+        return "finished first"  # the target was done already
 
 
 def _remove_leaked(before: set[str]) -> int:
@@ -317,12 +323,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
             elif target == "daemon":
                 daemons = [p for p in _daemon_pids() if _alive(p) and p not in before_daemons]
                 victim = daemons[0] if daemons else None
-            if victim is not None:
-                try:
-                    os.kill(victim, signal.SIGKILL)
-                    result["killed"] = target
-                except ProcessLookupError:
-                    result["killed"] = "finished first"
+            result["killed"] = _kill(victim, target)
             done = os.path.join(control, f"done{n}")
             result["hang"] = not _wait_for(done, hang_after)
             if result["hang"]:

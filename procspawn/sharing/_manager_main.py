@@ -70,9 +70,9 @@ def _log(text: str) -> None:
 # other too, and the kernel drops it if its holder dies mid-update). A pid, not a count:
 # whoever cleans up after a dead process removes exactly the slots that process took,
 # however it died (between registering and taking its slot, or between giving the slot
-# back and telling the daemon). A message that travels by name holds a slot of its own,
-# ``-pid`` of its sender, which the receiver turns into its pid and a daemon leaves alone
-# (the message may be received after its sender died). The data starts on the next page.
+# back and telling the daemon). A message holds a slot of its own, which its receiver
+# turns into its pid and a daemon leaves alone when the sender dies (the message may be
+# received after that): see TRANSFER below. The data starts on the next page.
 
 HEADER = 4096  # bytes before a named segment's data: the table of holders
 _SLOTS = HEADER // 4
@@ -152,9 +152,11 @@ def first_holder(fd: int) -> None:
     os.pwrite(fd, struct.pack("<i", os.getpid()), 0)
 
 
-# A slot is a holder's pid, or a message's: ``-pid`` of its sender when the message
-# carries the segment by name only, ``pid | TRANSFER`` when it also carries a descriptor
-# (a copy made for that message, handed over whole to its receiver).
+# A slot is a holder's pid, or a message's: ``pid | TRANSFER`` (the sender's pid) when the
+# message carries a descriptor of the segment, which is every message but the by-name
+# part of a batch of more than 32 segments: those hold ``-pid``. A TRANSFER slot goes when
+# its message is received, or closed unread (``expire_transfers``); a ``-pid`` slot when
+# it is received, or when the daemon of the tree exits.
 TRANSFER = 0x40000000
 _TOP_INFLIGHT = 0xFF  # top byte of -pid (pids are < 2**22)
 _TOP_TRANSFER = 0x40

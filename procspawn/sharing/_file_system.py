@@ -81,9 +81,8 @@ def _map_named(fd: int, name: str, size: int) -> Segment:
 FDS_PER_MESSAGE = 32
 
 
-def _open_for_message(name: str) -> int | None:
-    """A descriptor of ``name`` for the message being pickled, or None to send it by name
-    (out of descriptors)."""
+def _open_for_message(name: str) -> int:
+    """A descriptor of ``name`` for the message being pickled."""
     try:
         return open_segment(name)
     except FileNotFoundError:
@@ -94,7 +93,7 @@ def _open_for_message(name: str) -> int | None:
         ) from None
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
-            return None
+            raise FdLimitError(f"shared segment {name} could not be opened to send it") from None
         raise
 
 
@@ -106,15 +105,6 @@ def _message_slot(name: str, fd: int, kind: str, state: _message.SendState) -> N
     if not hold(name, fd, kind):
         raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed meanwhile")
     state.on_abandon.append(lambda: drop_inflight(name, kind))
-
-
-def _open_by_name(name: str) -> int:
-    try:
-        return open_segment(name)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise FdLimitError(f"shared segment {name} could not be opened to send it") from None
-        raise
 
 
 class FileSystemStrategy(SharingStrategy):
@@ -153,13 +143,11 @@ class FileSystemStrategy(SharingStrategy):
         # the receiver to take over: the array arrives named (no descriptor to keep) even
         # if the sender dropped it, or died, before it was received.
         state.keepalive.append(segment)
+        fd = _open_for_message(name)
         if len(state.owned) < FDS_PER_MESSAGE:
-            fd = _open_for_message(name)
-            if fd is not None:
-                index = state.give_fd(fd)
-                _message_slot(name, fd, "transfer", state)
-                return (index, name, segment.size, "transfer")
-        fd = _open_by_name(name)
+            index = state.give_fd(fd)
+            _message_slot(name, fd, "transfer", state)
+            return (index, name, segment.size, "transfer")
         try:
             _message_slot(name, fd, "inflight", state)
         finally:

@@ -81,13 +81,9 @@ def _reduce_for_stdlib(array: np.ndarray) -> Any:
         handle = _handles.reduce_segment(segment)
     finally:
         _message.begin_send(previous)
-    dupfd = None
     try:
-        if state.fds:
-            [fd] = state.fds
-            dupfd = _dupfd(fd, state.owned)
-        else:  # by name (out of descriptors): the message's slot goes with the handle
-            state.on_abandon.clear()
+        [fd] = state.fds  # one segment: always under the descriptors a message carries
+        dupfd = _dupfd(fd, state.owned)
     finally:
         state.discard()  # DupFd holds a duplicate of its own now
     return (_rebuild_from_stdlib, (handle, dupfd, *layout(array, offset)))
@@ -126,7 +122,7 @@ def _dupfd(fd: int, owned: list[int]) -> Any:
 
 
 def _rebuild_from_stdlib(handle: _handles.Handle, dupfd: Any, *array_layout: Any) -> np.ndarray:
-    state = _message.RecvState([_detach(dupfd)] if dupfd is not None else [])
+    state = _message.RecvState([_detach(dupfd)])
     previous = _message.begin_receive(state)
     try:
         segment = _handles.rebuild_segment(handle)

@@ -1,13 +1,8 @@
-"""``procspawn`` / ``python -m procspawn``: look at and clean up shared memory.
+"""The procspawn command (also python -m procspawn): run ranks, look at and clean up
+shared memory.
 
-    procspawn info [--json]              what this machine offers and what procspawn holds
-    procspawn cleanup [--dry-run] [--json]
-                                         remove this user's procspawn_* segments that no
-                                         live process maps or holds open and no live
-                                         cleanup daemon records (and that are older
-                                         than 2 seconds)
-
-Exit codes: 0 success, 1 a segment could not be removed, 2 bad usage.
+The help text the command prints is ``_DESCRIPTION`` and ``_EPILOG`` below (plain text:
+this docstring is not shown to users).
 """
 
 from __future__ import annotations
@@ -21,7 +16,27 @@ import sys
 import time
 from typing import Any
 
+from ._version import __version__
 from .sharing._manager_main import PREFIX, SHM_DIR, YOUNG, in_use
+
+_DESCRIPTION = "Run ranks of a Python program, look at and clean up procspawn's shared memory."
+_EPILOG = """\
+commands:
+  procspawn run -n N [options] script.py [args ...]
+                      run N copies of a script (or -m module) like torchrun;
+                      see procspawn run --help
+  procspawn info [--json]
+                      what this machine offers and what procspawn holds: cleanup
+                      daemons, /dev/shm segments (file_system strategy) and memfd
+                      segments per process (file_descriptor strategy)
+  procspawn cleanup [--dry-run] [--json]
+                      remove this user's procspawn_* segments in /dev/shm that no
+                      live process maps or holds open, that no live cleanup daemon
+                      records, and that are older than 2 seconds
+
+exit status: 0 success, 1 a segment could not be removed, 2 bad usage
+(procspawn run: see its own help)"""
+_MEMFD_PATH = "/memfd:procspawn"  # what /proc shows for os.memfd_create("procspawn")
 
 
 def _proc_entries() -> list[int]:
@@ -94,8 +109,90 @@ def _segments() -> list[dict[str, Any]]:
     return out
 
 
+def _size_of(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _memfds_of(pid: int) -> dict[str, Any] | None:
+    """procspawn memfds ``pid`` maps or holds open; None if it cannot be read."""
+    maps = _read(f"/proc/{pid}/maps")
+    if maps is None:
+        return None
+    extent: dict[int, int] = {}  # inode -> largest offset + length mapped
+    exact: dict[int, int] = {}  # inode -> st_size, where the memfd itself could be stat'ed
+    mapped: set[int] = set()
+    map_files = True  # readable only with CAP_SYS_ADMIN on many kernels: try once
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6 or not fields[5].startswith(_MEMFD_PATH):
+            continue
+        try:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            offset, inode = int(fields[2], 16), int(fields[4])
+        except ValueError:
+            continue
+        mapped.add(inode)
+        extent[inode] = max(extent.get(inode, 0), offset + end - start)
+        if map_files and inode not in exact:
+            size = _size_of(f"/proc/{pid}/map_files/{fields[0]}")
+            if size is None:
+                map_files = False
+            else:
+                exact[inode] = size
+    held: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith(_MEMFD_PATH):
+                continue
+            st = os.stat(path)  # follows the link to the memfd itself
+        except OSError:
+            continue
+        held.add(st.st_ino)
+        exact[st.st_ino] = st.st_size
+    inodes = mapped | held
+    sizes = {i: exact.get(i, extent.get(i, 0)) for i in inodes}
+    return {
+        "pid": pid,
+        "command": (_read(f"/proc/{pid}/comm") or "?").strip(),
+        "segments": len(inodes),
+        "bytes": sum(sizes.values()),
+        "mapped": len(mapped),
+        "fd_only": len(held - mapped),
+        "inodes": sorted(inodes),
+        "sizes": sizes,
+    }
+
+
+def _memfds() -> dict[str, Any]:
+    """memfd segments (file_descriptor strategy) held by this user's processes."""
+    uid = os.getuid()
+    processes = []
+    sizes: dict[int, int] = {}  # a segment held by several processes is counted once
+    for pid in _proc_entries():
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+        except OSError:
+            continue
+        found = _memfds_of(pid)
+        if not found or not found["segments"]:
+            continue
+        for inode, size in found.pop("sizes").items():
+            sizes[inode] = max(sizes.get(inode, 0), size)
+        processes.append(found)
+    return {"segments": len(sizes), "bytes": sum(sizes.values()), "processes": processes}
+
+
 def info() -> dict[str, Any]:
-    from . import __version__, get_all_sharing_strategies, get_sharing_strategy
+    from . import get_all_sharing_strategies, get_sharing_strategy
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shm: dict[str, Any] = {"path": SHM_DIR}
@@ -114,6 +211,7 @@ def info() -> dict[str, Any]:
         "rlimit_nofile": {"soft": soft, "hard": hard},
         "daemons": _daemons(),
         "segments": _segments(),
+        "memfd": _memfds(),
     }
 
 
@@ -182,6 +280,21 @@ def _print_info(data: dict[str, Any]) -> None:
         owner = f"owner {s['owner_pid']} ({'alive' if s['owner_alive'] else 'dead'})"
         mapped = f"mapped or open in {s['used_by']}" if s["used_by"] else "used by no process"
         print(f"  {s['name']}  {_size(s['bytes'])}  {owner}, {mapped}")
+    memfd = data["memfd"]
+    print(
+        f"memfd segments (file_descriptor strategy): {memfd['segments']} in "
+        f"{len(memfd['processes'])} process(es), {_mib(memfd['bytes'])}"
+    )
+    for p in memfd["processes"]:
+        unmapped = f", {p['fd_only']} open without a mapping" if p["fd_only"] else ""
+        print(
+            f"  pid {p['pid']} ({p['command']}): {p['segments']} segment(s), "
+            f"{_mib(p['bytes'])}{unmapped}"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _print_cleanup(data: dict[str, Any]) -> None:
@@ -197,8 +310,22 @@ def _print_cleanup(data: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="procspawn", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The procspawn command: ``run``, ``info`` or ``cleanup``; returns the exit status."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["run"]:  # its arguments go to the script untouched: not for argparse
+        from ._run import run
+
+        return run(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="procspawn",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"procspawn {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{run,info,cleanup}")
+    sub.add_parser("run", help="run N copies of a Python script or module, like torchrun")
     p_info = sub.add_parser("info", help="versions, limits, daemons and segments")
     p_info.add_argument("--json", action="store_true", help="machine-readable output")
     p_clean = sub.add_parser("cleanup", help="remove segments nothing uses any more")

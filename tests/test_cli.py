@@ -122,3 +122,78 @@ def test_cleanup_keeps_a_segment_being_made_right_now(stray):
     result = json.loads(_cli("cleanup", "--json").stdout)
     assert stray in [s["name"] for s in result["kept"]]
     assert os.path.exists(f"/dev/shm/{stray}")
+
+
+def test_version():
+    result = _cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"procspawn {mp.__version__}\n"
+
+
+@pytest.mark.parametrize("command", [[], ["info"], ["cleanup"], ["run"]])
+def test_help_is_plain_text(command):
+    result = _cli(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: procspawn")
+    assert "``" not in result.stdout
+    if not command:
+        for name in ("run", "info", "cleanup", "--version"):
+            assert name in result.stdout
+
+
+MEMFD_HOLDER = """\
+import os, sys
+import procspawn
+from procspawn import sharing
+
+assert procspawn.get_sharing_strategy() == "file_descriptor"
+array = sharing.empty(1 << 20)  # a mapped memfd segment of 8 MiB (and its descriptor)
+array[:] = 1
+raw = os.memfd_create("procspawn", os.MFD_CLOEXEC)  # open, never mapped
+os.ftruncate(raw, 4096)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_info_lists_memfd_segments_per_process():
+    env = script_env()
+    env.pop("PROCSPAWN_SHARING_STRATEGY", None)  # the default strategy
+    holder = subprocess.Popen(
+        [sys.executable, "-c", MEMFD_HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        result = _cli("info", "--json")
+        assert result.returncode == 0, result.stderr
+        memfd = json.loads(result.stdout)["memfd"]
+        [mine] = [p for p in memfd["processes"] if p["pid"] == holder.pid]
+        assert mine["segments"] == 2 and len(mine["inodes"]) == 2
+        assert mine["mapped"] == 1 and mine["fd_only"] == 1
+        assert mine["bytes"] >= (8 << 20) + 4096  # the segment may be rounded up
+        assert mine["command"].startswith("python")
+        assert memfd["segments"] >= 2 and memfd["bytes"] >= mine["bytes"]
+        assert len(memfd["processes"]) >= 1
+
+        text = _cli("info")
+        assert text.returncode == 0, text.stderr
+        lines = text.stdout.splitlines()
+        [summary] = [s for s in lines if s.startswith("memfd segments (file_descriptor")]
+        assert summary.endswith(" MiB") and " process(es), " in summary
+        mib = f"{mine['bytes'] / 2**20:.1f} MiB"
+        assert (
+            f"  pid {holder.pid} ({mine['command']}): 2 segment(s), {mib}, 1 open without a mapping"
+        ) in lines
+    finally:
+        holder.stdin.close()  # lets it exit
+        try:
+            holder.wait(timeout=50)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+            holder.stdout.close()

@@ -47,7 +47,7 @@ def test_crash_matrix(start_method, how):
     assert isinstance(err.pid, int) and err.pid > 0
     assert text in str(err)
     if exc_type is mp.ProcessRaisedException:
-        assert "process 1 terminated with the following error" in str(err)
+        assert "process 1 (pid " in str(err) and "terminated with the following error" in str(err)
         assert "Traceback (most recent call last)" in str(err)
     else:
         assert err.exit_code == exit_code

@@ -7,8 +7,14 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._errors import ProcessException, ProcessExitedException, ProcessRaisedException
+    from ._errors import (
+        ProcessException,
+        ProcessExitedException,
+        ProcessRaisedException,
+        ProcessTimeoutError,
+    )
     from ._process_context import ProcessContext
+    from ._progress import Progress, progress
     from ._spawn import spawn, start_processes
 
 _LAZY = {
@@ -16,6 +22,9 @@ _LAZY = {
     "ProcessException": "._errors",
     "ProcessExitedException": "._errors",
     "ProcessRaisedException": "._errors",
+    "ProcessTimeoutError": "._errors",
+    "Progress": "._progress",
+    "progress": "._progress",
     "spawn": "._spawn",
     "start_processes": "._spawn",
 }

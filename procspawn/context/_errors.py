@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 
 class ProcessException(Exception):
@@ -10,7 +11,9 @@ class ProcessException(Exception):
 
     Raised by ``spawn`` / ``ProcessContext.join`` once the first failing rank is known and
     every sibling has been stopped. Catch this to handle any rank failure; the subclasses
-    say whether the rank raised or exited. ``error_index`` is the rank, ``pid`` its process id.
+    say whether the rank raised, exited or ran out of time. ``error_index`` is the rank,
+    ``pid`` its process id, and ``results`` the return values of the ranks that had
+    finished before the failure, by rank (None for the others).
     """
 
     def __init__(self, msg: str, error_index: int, pid: int) -> None:
@@ -18,12 +21,13 @@ class ProcessException(Exception):
         self.msg = msg
         self.error_index = error_index
         self.pid = pid
+        self.results: list[Any] | None = None
 
     def __str__(self) -> str:
         return self.msg
 
     def __reduce__(self):
-        return (type(self), (self.msg, self.error_index, self.pid))
+        return (type(self), (self.msg, self.error_index, self.pid), {"results": self.results})
 
 
 class ProcessRaisedException(ProcessException):
@@ -64,6 +68,29 @@ class ProcessExitedException(ProcessException):
         return (
             type(self),
             (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name),
+            {"results": self.results},
+        )
+
+
+class ProcessTimeoutError(ProcessException, TimeoutError):
+    """``spawn(..., timeout=...)`` ran out of time: every rank still running was stopped.
+
+    ``ranks`` lists the ranks that were still running, ``elapsed`` how long they had run
+    (seconds). ``error_index`` and ``pid`` name the first of them. Also a ``TimeoutError``.
+    """
+
+    def __init__(
+        self, msg: str, error_index: int, pid: int, ranks: list[int], elapsed: float
+    ) -> None:
+        super().__init__(msg, error_index=error_index, pid=pid)
+        self.ranks = ranks
+        self.elapsed = elapsed
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (self.msg, self.error_index, self.pid, self.ranks, self.elapsed),
+            {"results": self.results},
         )
 
 

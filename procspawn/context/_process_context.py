@@ -8,16 +8,20 @@ message surfaces the moment it is sent, whatever the rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
 import signal
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from .._output import OutputForwarder
 from ..sharing import _pickler
 from ..sharing._fdpass import ChannelClosed, MessageReader
 from ..sharing._limits import FdLimitError
@@ -25,11 +29,30 @@ from ._errors import (
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
+    ProcessTimeoutError,
     signal_name,
 )
+from ._progress import Progress
 
 _DEFAULT_GRACE_PERIOD = 3.0
+_PROGRESS_TICK = 0.1  # seconds between progress redraws while joining
+_OUTPUT_DRAIN = 1.0  # seconds to wait for a dead rank's last output
 _MISSING: Any = object()
+
+# (text in a dead rank's stderr, what to tell the user)
+_HINTS = [
+    (
+        "bootstrapping phase",
+        'likely cause: the main module has no `if __name__ == "__main__":` guard. Under '
+        "the spawn and forkserver start methods every rank imports the main module again, "
+        "so a spawn() call at its top level runs again in each rank. Put the code that "
+        "starts the ranks under that guard.",
+    ),
+    (
+        "procspawn.spawn() was called while this process was still starting",
+        'likely cause: the main module has no `if __name__ == "__main__":` guard (see above).',
+    ),
+]
 
 
 def default_grace_period() -> float:
@@ -51,8 +74,16 @@ def default_grace_period() -> float:
 class ProcessContext:
     """The running ranks of one ``spawn(..., join=False)`` call.
 
+    Poll it with ``join(timeout)``; stop it with ``terminate()``; or use it as a context
+    manager, which stops whatever still runs when the block is left::
+
+        with procspawn.spawn(fn, nprocs=4, join=False) as ctx:
+            while not ctx.join(timeout=1.0):
+                ...
+
     Attributes:
         processes: the ``multiprocessing.Process`` objects, by rank.
+        progress: the ``procspawn.Progress`` asked for with ``progress=``, or None.
     """
 
     def __init__(
@@ -60,12 +91,20 @@ class ProcessContext:
         processes: list[BaseProcess],
         channels: list[socket.socket],
         keepalive: Any = None,
+        *,
+        output: OutputForwarder | None = None,
+        progress: Progress | None = None,
+        grace_period: float | None = None,
     ) -> None:
         self.processes = processes
+        self.progress = progress
         self._readers = [MessageReader(sock) for sock in channels]
         self._results: list[Any] = [_MISSING] * len(processes)
         self._exited = [False] * len(processes)
         self._keepalive = keepalive  # the spawn payload: shared segments the ranks map
+        self._output = output
+        self._grace_period = grace_period
+        self._started = time.monotonic()
         self._error: ProcessException | None = None
         self._closed = False
 
@@ -75,10 +114,32 @@ class ProcessContext:
 
     @property
     def results(self) -> list[Any]:
-        """The return values by rank, once ``join()`` returned True."""
-        if not self._closed or self._error is not None:
-            raise RuntimeError("results are available once join() has returned True")
-        return list(self._results)
+        """The return values by rank.
+
+        Complete once ``join()`` returned True. After a failure or ``terminate()``, the
+        values of the ranks that had finished, None for the others (the same list as the
+        exception's ``results``). Raises RuntimeError while ranks still run.
+        """
+        if not self._closed:
+            raise RuntimeError(
+                "results are available once join() has returned True (or the ranks were "
+                "stopped by a failure or terminate())"
+            )
+        return [None if r is _MISSING else r for r in self._results]
+
+    def __enter__(self) -> ProcessContext:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.terminate()
+
+    def terminate(self, grace_period: float | None = None) -> None:
+        """Stop every rank still running (SIGTERM, then SIGKILL after the grace period)
+        and release the context. Ranks that had finished keep their ``results``; later
+        ``join()`` calls return True. Does nothing once the context is closed."""
+        if self._closed:
+            return
+        self._stop_all(self._grace(grace_period))
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for the ranks.
@@ -86,7 +147,8 @@ class ProcessContext:
         Args:
             timeout: seconds to wait at most; None waits until every rank is done.
             grace_period: on a failure, seconds between SIGTERM and SIGKILL for the
-                remaining ranks (default: env ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
+                remaining ranks (default: spawn's ``grace_period``, env
+                ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
 
         Returns:
             True when every rank finished successfully (``results`` is then ready),
@@ -95,17 +157,18 @@ class ProcessContext:
         Raises:
             ProcessRaisedException: a rank raised (its traceback is in the message).
             ProcessExitedException: a rank exited with a non-zero code or a signal.
-            KeyboardInterrupt: Ctrl-C in the parent; every rank was stopped first (any
-                other exception while waiting stops them too). Later calls raise a
+            KeyboardInterrupt: Ctrl-C in the parent; the ranks got SIGINT (their
+                ``finally`` blocks run) and were stopped (any other exception while
+                waiting stops them too, with SIGTERM). Later calls raise a
                 ProcessException saying so.
         """
         if self._error is not None:
             raise _detached(self._error)  # a copy: the raise gives it a traceback to here
         if self._closed:
             return True
-        if grace_period is None:
-            grace_period = default_grace_period()
+        grace_period = self._grace(grace_period)
         deadline = None if timeout is None else time.monotonic() + timeout
+        shown = self.progress
         try:
             while True:
                 waiting: dict[Any, tuple[str, int]] = {}
@@ -118,6 +181,11 @@ class ProcessContext:
                     self._close()
                     return True
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if shown is not None:
+                    shown.render()
+                    remaining = (
+                        _PROGRESS_TICK if remaining is None else min(remaining, _PROGRESS_TICK)
+                    )
                 ready = wait(list(waiting), remaining)
                 if not ready and deadline is not None and time.monotonic() >= deadline:
                     return False
@@ -130,17 +198,64 @@ class ProcessContext:
                     else:
                         self._on_exit(rank)
         except ProcessException as exc:
-            self._error = _detached(exc)
-            self._stop_all(grace_period)
+            self._fail(exc, grace_period)
             raise
-        except BaseException as exc:  # Ctrl-C, or anything else that stops us waiting
-            self._error = ProcessException(
-                f"join() was interrupted by {type(exc).__name__}; every rank was stopped",
-                -1,
-                -1,
-            )
-            self._stop_all(grace_period)
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc, grace_period)
             raise
+        except BaseException as exc:  # anything else that stops us waiting
+            self._fail(_stopped_by(exc), grace_period)
+            raise
+
+    def _grace(self, grace_period: float | None) -> float:
+        if grace_period is not None:
+            return grace_period
+        if self._grace_period is not None:
+            return self._grace_period
+        return default_grace_period()
+
+    def _run_to_end(self, timeout: float | None) -> list[Any]:
+        """spawn(join=True): join until done or ``timeout`` seconds after the start."""
+        deadline = None if timeout is None else self._started + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if self.join(remaining):
+                return self.results
+            if deadline is not None and time.monotonic() >= deadline:
+                self._time_out()
+
+    def _time_out(self) -> None:
+        running = [r for r, done in enumerate(self._exited) if not done]
+        elapsed = time.monotonic() - self._started
+        grace = self._grace(None)
+        first = running[0] if running else -1
+        pid = self.processes[first].pid if running else -1
+        listed = ", ".join(f"{r} (pid {self.processes[r].pid})" for r in running)
+        exc = ProcessTimeoutError(
+            f"spawn() timed out after {elapsed:.1f} s: rank(s) {listed} still running after "
+            f"{elapsed:.1f} s; every rank was stopped (SIGTERM, then SIGKILL after "
+            f"{grace:g} s)",
+            first,
+            pid,  # type: ignore[arg-type]
+            running,
+            elapsed,
+        )
+        self._fail(exc, grace)
+        raise exc
+
+    def _fail(self, exc: ProcessException, grace_period: float) -> None:
+        """Stop everything; the exception (and later joins) carry the finished results."""
+        self._stop_all(grace_period)
+        exc.results = self.results
+        self._error = _detached(exc)
+
+    def _interrupted(self, exc: BaseException, grace_period: float) -> None:
+        """Ctrl-C: SIGINT to the ranks (KeyboardInterrupt there, ``finally`` blocks run),
+        SIGKILL after the grace period; further Ctrl-Cs are held off meanwhile, so the
+        user sees one traceback."""
+        with _sigint_held():
+            self._stop_all(grace_period, signal.SIGINT)
+        self._fail(_stopped_by(exc), grace_period)
 
     # -- reading results -------------------------------------------------------------------
 
@@ -159,8 +274,8 @@ class ProcessContext:
             return
         except FdLimitError as exc:
             raise ProcessRaisedException(
-                f"process {rank} terminated with the following error:\n"
-                f"its result could not be received by the parent: {exc}",
+                f"process {rank} (pid {self.processes[rank].pid}) terminated with the "
+                f"following error:\nits result could not be received by the parent: {exc}",
                 rank,
                 self.processes[rank].pid,  # type: ignore[arg-type]
             ) from exc
@@ -173,7 +288,7 @@ class ProcessContext:
             message = _pickler.loads(data, fds)
         except Exception as exc:
             raise ProcessRaisedException(
-                f"process {rank} terminated with the following error:\n"
+                f"process {rank} (pid {pid}) terminated with the following error:\n"
                 f"its return value could not be unpickled in the parent: "
                 f"{type(exc).__name__}: {exc}",
                 rank,
@@ -194,7 +309,9 @@ class ProcessContext:
         # refers to the context, whose results (shared arrays) would wait for the cyclic
         # garbage collector.
         raise ProcessRaisedException(
-            f"process {rank} terminated with the following error:\n{text}", rank, pid
+            f"process {rank} (pid {pid}) terminated with the following error:\n{text}",
+            rank,
+            pid,
         ) from (cause if isinstance(cause, BaseException) else None)
 
     def _on_exit(self, rank: int) -> None:
@@ -219,18 +336,39 @@ class ProcessContext:
                     " (nothing in procspawn sent it: the kernel's out-of-memory killer is a "
                     "common cause; check `dmesg` and the ranks' memory use)"
                 )
-            raise ProcessExitedException(msg, rank, pid, code, name)
+            raise ProcessExitedException(msg + self._last_words(rank), rank, pid, code, name)
         raise ProcessExitedException(
-            f"process {rank} (pid {pid}) exited with exit code {code}", rank, pid, code
+            f"process {rank} (pid {pid}) exited with exit code {code}" + self._last_words(rank),
+            rank,
+            pid,
+            code,
         )
+
+    def _last_words(self, rank: int) -> str:
+        """What a rank that died without a report printed last on stderr, and the likely
+        cause when we know it."""
+        if self._output is None:
+            return ""
+        self._output.wait_eof(rank, _OUTPUT_DRAIN)
+        tail = self._output.tail(rank).rstrip()
+        if not tail:
+            return ""
+        text = "\nits last output on stderr was:\n" + "\n".join(
+            "    " + line for line in tail.splitlines()
+        )
+        for marker, hint in _HINTS:
+            if marker in tail:
+                text += "\n" + hint
+                break
+        return text
 
     # -- stopping --------------------------------------------------------------------------
 
-    def _stop_all(self, grace_period: float) -> None:
-        """SIGTERM every live rank, SIGKILL what is left after the grace period, reap all."""
+    def _stop_all(self, grace_period: float, signum: int = signal.SIGTERM) -> None:
+        """Signal every live rank, SIGKILL what is left after the grace period, reap all."""
         alive = [p for p in self.processes if p.exitcode is None]
         for p in alive:
-            _signal(p, signal.SIGTERM)
+            _signal(p, signum)
         deadline = time.monotonic() + grace_period
         for p in alive:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -250,6 +388,10 @@ class ProcessContext:
             reader.sock.close()
         for p in self.processes:
             p.join()
+        if self.progress is not None:
+            self.progress.close()
+        if self._output is not None:
+            self._output.close(_OUTPUT_DRAIN)
         if self._keepalive is not None:
             self._keepalive.close()
             self._keepalive = None
@@ -263,6 +405,30 @@ def _detached(exc: ProcessException) -> ProcessException:
     cause = exc.__cause__
     twin.__cause__ = cause if cause is None or cause.__traceback__ is None else None
     return twin
+
+
+def _stopped_by(exc: BaseException) -> ProcessException:
+    return ProcessException(
+        f"join() was interrupted by {type(exc).__name__}; every rank was stopped", -1, -1
+    )
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold further SIGINTs off while the ranks stop (main thread only; others cannot set
+    handlers, and never get KeyboardInterrupt anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _signal(proc: BaseProcess, signum: int) -> None:

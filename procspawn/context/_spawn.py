@@ -22,18 +22,55 @@ import os
 import pickle
 import socket
 import threading
+from collections.abc import Mapping
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from .._output import OutputForwarder
 from ..sharing import _pickler
 from ..sharing._startup import StartupMessage
 from . import _worker
+from ._popen import RankSpawnProcess, RedirectFds
 from ._process_context import ProcessContext
+from ._progress import as_progress
+
+_START_METHOD_ENV = "PROCSPAWN_START_METHOD"
 
 
-def _check(fn: Any, args: Any, nprocs: Any, start_method: Any) -> tuple[Any, ...]:
+def default_start_method() -> str:
+    """``PROCSPAWN_START_METHOD`` when set (``procspawn run --start-method`` sets it), else
+    "spawn"."""
+    method = os.environ.get(_START_METHOD_ENV) or "spawn"
+    methods = multiprocessing.get_all_start_methods()
+    if method not in methods:
+        raise ValueError(
+            f"{_START_METHOD_ENV}={method!r} is not a start method of this platform; "
+            f"use one of: {', '.join(methods)}"
+        )
+    return method
+
+
+def _check(
+    fn: Any,
+    args: Any,
+    kwargs: Any,
+    nprocs: Any,
+    start_method: Any,
+    join: bool,
+    timeout: Any,
+    grace_period: Any,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "procspawn.spawn() was called while this process was still starting: the "
+            "module that calls it is the main module of a program whose ranks import it "
+            "again (start methods spawn and forkserver), and it calls spawn() at its top "
+            'level. Put the code that starts the ranks under `if __name__ == "__main__":`.'
+        )
     if not callable(fn):
-        raise TypeError(f"fn must be callable (it is called as fn(rank, *args)), got {fn!r}")
+        raise TypeError(
+            f"fn must be callable (it is called as fn(rank, *args, **kwargs)), got {fn!r}"
+        )
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(
             f"nprocs must be an int >= 1 (the number of ranks to start), got {nprocs!r}"
@@ -43,26 +80,55 @@ def _check(fn: Any, args: Any, nprocs: Any, start_method: Any) -> tuple[Any, ...
             f"args must be a tuple of arguments passed after the rank, got "
             f"{type(args).__name__}; for one argument write args=(x,)"
         )
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"kwargs must be a dict of keyword arguments for fn, got {type(kwargs).__name__}"
+        )
+    bad = [k for k in kwargs if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"kwargs keys must be strings (argument names), got {bad[0]!r}")
     methods = multiprocessing.get_all_start_methods()
     if start_method not in methods:
         raise ValueError(
             f"unknown start method {start_method!r}; this platform has: {', '.join(methods)}"
         )
-    return tuple(args)
+    if timeout is not None:
+        if not join:
+            raise ValueError(
+                "timeout applies to join=True; with join=False, call "
+                "context.join(timeout) in your loop and context.terminate() to stop"
+            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if grace_period is not None and (
+        isinstance(grace_period, bool)
+        or not isinstance(grace_period, (int, float))
+        or grace_period < 0
+    ):
+        raise ValueError(f"grace_period must be a number of seconds >= 0, got {grace_period!r}")
+    return tuple(args), dict(kwargs)
 
 
-def _pickle_payload(fn: Any, args: tuple[Any, ...], config: dict[str, Any]) -> StartupMessage:
+def _pickle_payload(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: dict[str, Any]
+) -> StartupMessage:
     deferred: list[Any] = []
     try:
-        message = _pickler.dumps((fn, args, config), deferred=deferred)
+        message = _pickler.dumps((fn, args, kwargs, config), deferred=deferred)
     except Exception as exc:
-        _raise_pickling_error(fn, args, exc)
+        _raise_pickling_error(fn, args, kwargs, exc)
     return StartupMessage(message, deferred)
 
 
-def _raise_pickling_error(fn: Any, args: tuple[Any, ...], exc: Exception) -> None:
-    """Name the culprit: fn, or args[i] with its type."""
-    for what, obj in [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]:
+def _raise_pickling_error(
+    fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception
+) -> None:
+    """Name the culprit: fn, args[i] or kwargs[name], with its type."""
+    candidates = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
+    candidates += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    for what, obj in candidates:
         try:
             _pickler.dumps(obj, deferred=[]).close()
         except Exception as err:
@@ -84,9 +150,15 @@ def start_processes(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = "spawn",
-) -> ProcessContext | list[Any]:
-    """Run ``fn(rank, *args)`` in ``nprocs`` new processes.
+    start_method: str | None = None,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: Any = None,
+    prefix_output: bool = False,
+) -> Any:
+    """Run ``fn(rank, *args, **kwargs)`` in ``nprocs`` new processes.
 
     Args:
         fn: a callable; lambdas, closures and functions defined in ``__main__`` work.
@@ -96,55 +168,108 @@ def start_processes(
         join: wait for all ranks and return their results (True), or return a
             ``ProcessContext`` at once (False).
         daemon: start the ranks as daemonic processes (they may not start their own).
-        start_method: "spawn", "forkserver" or "fork".
+        start_method: "spawn", "forkserver" or "fork"; default: the environment variable
+            ``PROCSPAWN_START_METHOD``, else "spawn".
+        kwargs: keyword arguments for ``fn``.
+        timeout: with ``join=True``, seconds the ranks may run in all; past it every
+            rank is stopped and ``ProcessTimeoutError`` raised.
+        grace_period: seconds between SIGTERM (SIGINT after Ctrl-C) and SIGKILL when
+            ranks are stopped (default: env ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
+        progress: show progress while joining: an int total of ``procspawn.progress()``
+            steps, True (no total), or a ``procspawn.Progress``.
+        prefix_output: prefix each line the ranks print with ``[rank r]``.
+
+    Every rank has ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in its
+    environment. Its stderr goes through the parent (live, unchanged unless
+    ``prefix_output``), so a rank that dies before ``fn`` runs is explained by what it
+    printed last.
 
     Returns:
         With ``join=True``, the list of return values by rank; else a ``ProcessContext``.
 
     Raises:
-        ValueError: bad ``nprocs`` or an unknown start method.
-        TypeError: ``fn`` is not callable or ``args`` is not a tuple.
+        ValueError: bad ``nprocs``, ``timeout`` or ``grace_period``, or an unknown start
+            method.
+        TypeError: ``fn`` is not callable, ``args`` not a tuple or ``kwargs`` not a dict.
         pickle.PicklingError: ``fn`` or an argument cannot be pickled (nothing started).
-        ProcessRaisedException, ProcessExitedException: a rank failed (see ``join``).
+        ProcessRaisedException, ProcessExitedException, ProcessTimeoutError: a rank failed
+            or ran out of time (see ``ProcessContext.join``).
     """
-    args = _check(fn, args, nprocs, start_method)
-    mp_context = multiprocessing.get_context(start_method)
-    payload = _pickle_payload(fn, args, _child_config())
+    if start_method is None:
+        start_method = default_start_method()
+    args, kwargs = _check(fn, args, kwargs, nprocs, start_method, join, timeout, grace_period)
+    shown = as_progress(progress)
+    config = _child_config()
+    if shown is not None:
+        config["progress"] = shown._allocate(nprocs)
+    payload = _pickle_payload(fn, args, kwargs, config)
+    output = OutputForwarder(prefix=prefix_output)
     processes: list[BaseProcess] = []
     channels: list[socket.socket] = []
     try:
         for rank in range(nprocs):
-            parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            channels.append(parent_end)
-            try:
-                proc = mp_context.Process(  # type: ignore[attr-defined]
-                    target=_worker.main,
-                    args=(
-                        payload,
-                        rank,
-                        child_end,
-                        os.getpid(),
-                        _parent_death_signal_is_safe(start_method),
-                    ),
-                    name=f"procspawn-rank-{rank}",
-                    daemon=daemon,
+            processes.append(
+                _start_rank(
+                    rank, nprocs, payload, start_method, daemon, prefix_output, output, channels
                 )
-                proc.start()
-            finally:
-                child_end.close()
-            processes.append(proc)
+            )
     except BaseException:
-        context = ProcessContext(processes, channels[: len(processes)], payload)
+        context = ProcessContext(processes, channels[: len(processes)], payload, output=output)
         context._stop_all(0.0)
         for sock in channels[len(processes) :]:
             sock.close()
         raise
-    context = ProcessContext(processes, channels, payload)
+    context = ProcessContext(
+        processes, channels, payload, output=output, progress=shown, grace_period=grace_period
+    )
     if not join:
         return context
-    while not context.join():
-        pass
-    return context.results
+    return context._run_to_end(timeout)
+
+
+def _start_rank(
+    rank: int,
+    nprocs: int,
+    payload: StartupMessage,
+    start_method: str,
+    daemon: bool,
+    prefix_output: bool,
+    output: OutputForwarder,
+    channels: list[socket.socket],
+) -> BaseProcess:
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channels.append(parent_end)
+    redirect = {2: output.pipe(rank, "stderr")}
+    if prefix_output:
+        redirect[1] = output.pipe(rank, "stdout")
+    try:
+        worker_args = (
+            payload,
+            rank,
+            nprocs,
+            child_end,
+            os.getpid(),
+            _parent_death_signal_is_safe(start_method),
+        )
+        name = f"procspawn-rank-{rank}"
+        proc: BaseProcess
+        if start_method == "spawn":
+            proc = RankSpawnProcess(target=_worker.main, args=worker_args, name=name)
+            proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
+        else:
+            mp_context = multiprocessing.get_context(start_method)
+            proc = mp_context.Process(  # type: ignore[attr-defined]
+                target=_worker.main,
+                args=(*worker_args, RedirectFds(redirect)),
+                name=name,
+            )
+        proc.daemon = daemon
+        proc.start()
+    finally:
+        child_end.close()
+        for fd in redirect.values():
+            os.close(fd)
+    return proc
 
 
 def _parent_death_signal_is_safe(start_method: str) -> bool:
@@ -160,10 +285,29 @@ def spawn(
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
-    start_method: str = "spawn",
-) -> ProcessContext | list[Any]:
-    """Run ``fn(rank, *args)`` for rank in ``range(nprocs)``; see ``start_processes``."""
-    return start_processes(fn, args, nprocs, join, daemon, start_method)
+    start_method: str | None = None,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: Any = None,
+    prefix_output: bool = False,
+) -> Any:
+    """Run ``fn(rank, *args, **kwargs)`` for rank in ``range(nprocs)``; see
+    ``start_processes``."""
+    return start_processes(
+        fn,
+        args,
+        nprocs,
+        join,
+        daemon,
+        start_method,
+        kwargs=kwargs,
+        timeout=timeout,
+        grace_period=grace_period,
+        progress=progress,
+        prefix_output=prefix_output,
+    )
 
 
 def _child_config() -> dict[str, Any]:

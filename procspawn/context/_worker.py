@@ -7,6 +7,8 @@ signal sends nothing; the parent reads the exit code instead.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import traceback
@@ -20,24 +22,30 @@ from . import _posix
 def main(
     payload: Any,
     rank: int,
+    world_size: int,
     channel: socket.socket,
     parent_pid: int,
     use_death_signal: bool,
+    redirect: Any = None,
 ) -> None:
     """Entry point of every rank (the ``multiprocessing.Process`` target)."""
+    if redirect is not None:
+        redirect.apply()  # fork, forkserver: output to the parent's pipes from here on
     channel.settimeout(None)  # blocking, whatever socket.setdefaulttimeout() says
     if use_death_signal:
         _posix.set_parent_death_signal()
     _posix.watch_parent(parent_pid)
+    _set_rank_environment(rank, world_size)
+    _interrupt_once()
     try:
         try:
-            fn, args, config = payload.load()
-            _apply_config(config)
+            fn, args, kwargs, config = payload.load()
+            _apply_config(config, rank)
         except BaseException as exc:
             _report(channel, exc, "while unpickling the arguments in the child: ")
             sys.exit(1)
         try:
-            result = fn(rank, *args)
+            result = fn(rank, *args, **kwargs)
         except SystemExit:
             raise
         except BaseException as exc:  # KeyboardInterrupt included: it is a failure
@@ -56,10 +64,41 @@ def main(
         channel.close()
 
 
-def _apply_config(config: dict[str, Any]) -> None:
+def _set_rank_environment(rank: int, world_size: int) -> None:
+    """torchrun's names, so code written for it finds its rank (one machine: local = global)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+
+
+def _interrupt_once() -> None:
+    """The first SIGINT raises KeyboardInterrupt; later ones are ignored.
+
+    Ctrl-C in a terminal reaches every process of the group, ranks included, and the parent
+    forwards it to the ranks as well: a rank sees it twice. Raising only once lets its
+    ``finally`` blocks run to the end, within the parent's grace period.
+    """
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # the user's own handler (or SIG_IGN, inherited): leave it
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
+def _apply_config(config: dict[str, Any], rank: int) -> None:
     from ..sharing import _strategy
 
     _strategy.restore(config["sharing_strategy"])
+    if config.get("progress") is not None:
+        from . import _progress
+
+        _progress.attach(config["progress"], rank)
 
 
 def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:

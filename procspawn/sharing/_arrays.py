@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -34,36 +35,109 @@ def share_memory_(obj: Any) -> Any:
 
     Args:
         obj: an ndarray (a shared copy is returned, ``obj`` is unchanged); or a dict, a
-            list, or an object with array attributes, whose arrays are replaced in place
-            by shared copies. Arrays that were views of one base become views of one
-            shared base; arrays already shared are left as they are.
+            list, or an object with attributes, whose arrays are replaced in place by
+            shared copies, at any depth: dicts, lists and tuples inside it and the
+            attributes of objects inside it are searched too (cycles are fine; a tuple
+            holding arrays is replaced by a new tuple in its container). Arrays that were
+            views of one base become views of one shared base; arrays already shared are
+            left as they are.
 
     Returns:
         The shared copy for an ndarray; ``obj`` itself otherwise.
+
+    Raises:
+        TypeError: ``obj`` is a tuple or has nothing to search, or an array sits where it
+            cannot be replaced (a read-only attribute): nothing would share it, and writes
+            made by the ranks would be lost.
     """
     if isinstance(obj, np.ndarray):
         return obj if is_shared(obj) else copy_to_segment(obj)
-    if isinstance(obj, dict):
-        slots = list(obj.items())
-        setter = obj.__setitem__
-    elif isinstance(obj, list):
-        slots = list(enumerate(obj))
-        setter = obj.__setitem__
-    elif hasattr(obj, "__dict__"):
-        slots = list(vars(obj).items())
-
-        def setter(key: Any, value: Any) -> None:
-            setattr(obj, key, value)
-
-    else:
+    if isinstance(obj, tuple) or not _searchable(obj):
         raise TypeError(
             f"share_memory_ takes an ndarray, a dict, a list or an object with array "
-            f"attributes, got {type(obj).__name__}"
+            f"attributes (changed in place), got {type(obj).__name__}"
+            + (
+                "; a tuple cannot be changed in place: pass a list"
+                if isinstance(obj, tuple)
+                else ""
+            )
         )
-    moved = _share_together([v for _, v in slots if isinstance(v, np.ndarray)])
-    for key, value in slots:
-        if isinstance(value, np.ndarray) and id(value) in moved:
-            setter(key, moved[id(value)])
+    arrays: list[np.ndarray] = []
+    _collect(obj, arrays, set())
+    moved = _share_together(arrays)
+    _replace(obj, moved, {})
+    return obj
+
+
+def _searchable(obj: Any) -> bool:
+    """Containers and plain objects, whose arrays share_memory_ replaces."""
+    if isinstance(obj, (dict, list, tuple)):
+        return True
+    if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
+        return False
+    return hasattr(obj, "__dict__")
+
+
+def _items(obj: Any) -> list[tuple[Any, Any]]:
+    if isinstance(obj, dict):
+        return list(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return list(enumerate(obj))
+    return list(vars(obj).items())
+
+
+def _collect(obj: Any, arrays: list[np.ndarray], seen: set[int]) -> None:
+    """Every ndarray reachable from ``obj`` through containers and plain objects."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        for _, value in _items(item):
+            if isinstance(value, np.ndarray):
+                arrays.append(value)
+            elif _searchable(value):
+                stack.append(value)
+
+
+def _replace(obj: Any, moved: dict[int, np.ndarray], done: dict[int, Any]) -> Any:
+    """Put the shared copies in place; returns ``obj``, or a new tuple for a changed tuple."""
+    if id(obj) in done:
+        return done[id(obj)]
+    done[id(obj)] = obj  # a cycle back to a tuple being rebuilt keeps the old one
+    changes = []
+    for key, value in _items(obj):
+        if isinstance(value, np.ndarray):
+            new = moved.get(id(value), value)
+        elif _searchable(value):
+            new = _replace(value, moved, done)
+        else:
+            continue
+        if new is not value:
+            changes.append((key, new))
+    if not changes:
+        return obj
+    if isinstance(obj, tuple):
+        items = list(obj)
+        for key, new in changes:
+            items[key] = new
+        rebuilt = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        done[id(obj)] = rebuilt
+        return rebuilt
+    for key, new in changes:
+        try:
+            if isinstance(obj, (dict, list)):
+                obj[key] = new
+            else:
+                setattr(obj, key, new)
+        except (AttributeError, TypeError) as exc:
+            raise TypeError(
+                f"share_memory_ cannot put the shared copy of {type(obj).__name__}.{key} in "
+                f"place ({exc}); writes made by other processes would be lost. Make the "
+                f"attribute writable, or share the array with sharing.zeros/empty when "
+                f"the object is built."
+            ) from exc
     return obj
 
 

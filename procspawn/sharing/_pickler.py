@@ -123,6 +123,7 @@ def _cloud_picklers() -> tuple[type, type]:
 
             dispatch_table = ChainMap(
                 _registry.reducers,
+                {io.TextIOWrapper: _reduce_text_file},
                 ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
                 getattr(cloudpickle.Pickler, "dispatch_table", copyreg.dispatch_table),
             )
@@ -151,6 +152,24 @@ def _cloud_picklers() -> tuple[type, type]:
 
         _cloud = (Pickler, DeferringPickler)
     return _cloud
+
+
+def _reduce_text_file(obj: io.TextIOWrapper) -> Any:
+    """The standard streams go by reference (cloudpickle's way); any other open file is
+    refused, as the stdlib refuses it, rather than sent as a snapshot of its contents."""
+    if any(obj is stream for stream in (sys.stdin, sys.stdout, sys.stderr)):
+        import cloudpickle
+
+        table = getattr(cloudpickle.Pickler, "dispatch_table", {})
+        return table[io.TextIOWrapper](obj)
+    name = getattr(obj, "name", "?")
+    mode = getattr(obj, "mode", "?")
+    raise pickle.PicklingError(
+        f"cannot send the open file {name!r} (mode {mode!r}) to another process: a file "
+        f"object does not cross processes (it would arrive as a snapshot of its contents, "
+        f"and reads, writes and seeks would not reach the file). Send its path and open it "
+        f"in the receiving process."
+    )
 
 
 def _deferred_types() -> tuple[type, ...]:

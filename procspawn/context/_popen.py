@@ -1,0 +1,109 @@
+"""Starting a rank with its stdout/stderr on pipes from its first instruction (POSIX).
+
+A rank that dies before procspawn's code runs in it (a script without the ``__main__``
+guard re-runs ``spawn()`` while it is imported in the child) prints the reason on its
+stderr and nowhere else. To show that reason in the parent's exception, the rank's stderr
+must be a pipe the parent reads, from the very start of the child:
+
+* spawn: the child is a fresh interpreter started by ``multiprocessing``; our ``Popen``
+  passes the pipe's descriptor to it and puts ``os.dup2`` in front of the command line's
+  bootstrap code, so it runs before the main module is imported again;
+* fork, forkserver: the worker redirects its descriptors first thing (``redirect``), since
+  nothing of the user's runs before it in those children.
+
+It also leaves out the main module's path when it is not a file (a script read from
+stdin, ``python -``): the stdlib's child would fail trying to run ``<stdin>``, while
+procspawn's pickler sends functions of ``__main__`` by value and needs no re-import.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from multiprocessing import popen_spawn_posix, reduction, spawn, util
+from multiprocessing.context import SpawnProcess, set_spawning_popen
+from typing import Any
+
+
+class RedirectFds:
+    """Write ends of the rank's output pipes, by target descriptor (1 stdout, 2 stderr).
+
+    Pickled (forkserver) it travels as ``DupFd``s; under fork the child inherits it.
+    """
+
+    def __init__(self, fds: dict[int, int]) -> None:
+        self.fds = fds
+
+    def __reduce__(self):
+        return (_rebuild, ({target: reduction.DupFd(fd) for target, fd in self.fds.items()},))
+
+    def apply(self) -> None:
+        """In the child: point the target descriptors at the pipes."""
+        for target, fd in self.fds.items():
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        self.fds = {}
+
+
+def _rebuild(dup_fds: dict[int, Any]) -> RedirectFds:
+    return RedirectFds({target: dup.detach() for target, dup in dup_fds.items()})
+
+
+class _SpawnPopen(popen_spawn_posix.Popen):
+    """The stdlib's spawn Popen, with the child's output redirected before it runs."""
+
+    def _launch(self, process_obj: Any) -> None:
+        from multiprocessing import resource_tracker
+
+        redirect: dict[int, int] = process_obj.__dict__.pop("_procspawn_redirect", {})
+        passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
+        tracker_fd: Any = resource_tracker.getfd()
+        passed.append(tracker_fd)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        main_path = prep_data.get("init_main_from_path")
+        if main_path is not None and not os.path.isfile(main_path):
+            del prep_data["init_main_from_path"]  # "<stdin>", "-c": nothing to re-import
+        fp = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, fp)
+            reduction.dump(process_obj, fp)
+        finally:
+            set_spawning_popen(None)
+
+        parent_r = child_w = child_r = parent_w = None
+        try:
+            parent_r, child_w = os.pipe()
+            child_r, parent_w = os.pipe()
+            cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
+            if redirect and "-c" in cmd:
+                at = cmd.index("-c") + 1
+                moves = "".join(f"os.dup2({fd},{t});os.close({fd});" for t, fd in redirect.items())
+                cmd[at] = f"import os;{moves}{cmd[at]}"
+                passed.extend(redirect.values())
+            passed.extend([child_r, child_w])
+            exe: Any = spawn.get_executable()
+            self.pid = util.spawnv_passfds(exe, cmd, passed)
+            self.sentinel = parent_r
+            with open(parent_w, "wb", closefd=False) as f:
+                f.write(fp.getbuffer())
+        finally:
+            fds_to_close = [fd for fd in (parent_r, parent_w) if fd is not None]
+            self.finalizer = util.Finalize(
+                self,
+                util.close_fds,  # type: ignore[attr-defined]
+                fds_to_close,
+            )
+            for fd in (child_r, child_w):
+                if fd is not None:
+                    os.close(fd)
+
+
+class RankSpawnProcess(SpawnProcess):
+    """A spawn-method Process whose child starts with ``_procspawn_redirect`` applied
+    (target descriptor -> write end of a pipe, set on the instance before ``start()``)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _SpawnPopen(process_obj)

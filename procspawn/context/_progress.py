@@ -1,0 +1,234 @@
+"""Progress: ranks count, the parent shows one bar.
+
+Who holds what: the parent allocates one small shared array (a cache line of int64 per
+rank, so ranks never write the same line) when ``spawn(..., progress=...)`` asks for it;
+it travels to the ranks with the spawn payload. In a rank, ``procspawn.progress(n)`` adds
+``n`` to its own slot: one memory write, no lock (one writer per slot), no message. The
+parent sums the slots while it joins and renders a bar: tqdm when it is installed, a plain
+one-line display otherwise, and nothing when stderr is not a terminal unless asked.
+Without ``progress=`` nothing is allocated and ``procspawn.progress`` returns at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+_SLOT = 8  # int64 values per rank: 64 bytes, one cache line
+_INTERVAL_TTY = 0.1  # seconds between redraws on a terminal
+_INTERVAL_LOG = 5.0  # ... and between lines when output is not a terminal (show=True)
+
+# In a rank: (the counters as a memoryview of int64, this rank's index), set by the worker.
+_counter: tuple[Any, int] | None = None
+
+
+def progress(n: int = 1) -> None:
+    """Add ``n`` to this rank's progress counter (a no-op unless the parent asked for it)."""
+    counter = _counter
+    if counter is not None:
+        view, index = counter
+        view[index] += n
+
+
+def attach(counters: Any, rank: int) -> None:
+    """In a rank: make ``progress()`` count into ``counters`` (a shared int64 array)."""
+    global _counter
+    view = memoryview(counters).cast("B").cast("q")
+    _counter = (view, rank * _SLOT)
+
+
+class Progress:
+    """What ``spawn(..., progress=...)`` shows, and the counts the ranks report.
+
+    Args:
+        total: the number of steps all ranks together will report (None: unknown).
+        per_rank: also show each rank's rate (steps/s).
+        show: True to always display, False never, None (default) only when stderr is a
+            terminal.
+        desc: the label in front of the bar.
+        use_tqdm: None uses tqdm when it is installed; False forces the plain display.
+
+    ``count`` and ``counts`` can be read at any time, e.g. while polling a
+    ``ProcessContext`` (``ctx.progress.count``); ``render()`` redraws the display at most
+    once per interval and ``close()`` ends it.
+    """
+
+    def __init__(
+        self,
+        total: int | None = None,
+        *,
+        per_rank: bool = False,
+        show: bool | None = None,
+        desc: str = "progress",
+        use_tqdm: bool | None = None,
+    ) -> None:
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+            raise TypeError(f"progress total must be an int or None, got {total!r}")
+        if total is not None and total < 0:
+            raise ValueError(f"progress total must be >= 0, got {total}")
+        self.total = total
+        self.per_rank = per_rank
+        self.show = show
+        self.desc = desc
+        self.use_tqdm = use_tqdm
+        self._counters: Any = None
+        self._nprocs = 0
+        self._started = 0.0
+        self._last_draw = 0.0
+        self._bar: Any = None
+        self._plain_width = 0
+        self._closed = False
+
+    # -- the parent side ---------------------------------------------------------------
+
+    def _allocate(self, nprocs: int) -> Any:
+        """Make the shared counters for ``nprocs`` ranks (called by spawn)."""
+        from ..sharing import zeros
+
+        self._counters = zeros(nprocs * _SLOT, dtype="int64")
+        self._nprocs = nprocs
+        self._started = time.monotonic()
+        return self._counters
+
+    @property
+    def counts(self) -> list[int]:
+        """Steps reported so far, by rank."""
+        if self._counters is None:
+            return []
+        return [int(v) for v in self._counters[::_SLOT][: self._nprocs]]
+
+    @property
+    def count(self) -> int:
+        """Steps reported so far by all ranks together."""
+        return sum(self.counts)
+
+    def rates(self) -> list[float]:
+        """Average steps per second of each rank since the ranks started."""
+        elapsed = max(1e-9, time.monotonic() - self._started)
+        return [c / elapsed for c in self.counts]
+
+    def _visible(self) -> bool:
+        if self.show is not None:
+            return self.show
+        try:
+            return sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            return False
+
+    def render(self, force: bool = False) -> None:
+        """Redraw the display (at most once per interval unless ``force``)."""
+        if self._closed or self._counters is None or not self._visible():
+            return
+        now = time.monotonic()
+        tty = self._is_tty()
+        interval = _INTERVAL_TTY if tty else _INTERVAL_LOG
+        if not force and now - self._last_draw < interval:
+            return
+        self._last_draw = now
+        if self._use_tqdm():
+            self._draw_tqdm()
+        else:
+            self._draw_plain(tty)
+
+    def close(self) -> None:
+        """Draw the last state and end the display's line."""
+        if self._closed:
+            return
+        self.render(force=True)
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self._plain_width and self._is_tty():
+            _write("\n")
+
+    def _is_tty(self) -> bool:
+        try:
+            return sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            return False
+
+    def _use_tqdm(self) -> bool:
+        if self.use_tqdm is False:
+            return False
+        if self._bar is not None:
+            return True
+        try:
+            import tqdm  # noqa: F401
+        except ImportError:
+            if self.use_tqdm:
+                raise ImportError(
+                    "Progress(use_tqdm=True) needs tqdm: pip install 'procspawn[progress]'"
+                ) from None
+            return False
+        return True
+
+    def _draw_tqdm(self) -> None:
+        import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm.tqdm(total=self.total, desc=self.desc, file=sys.stderr)
+        if self.per_rank:
+            self._bar.set_postfix_str(self._rank_rates(), refresh=False)
+        self._bar.update(self.count - self._bar.n)  # redraws as tqdm sees fit
+
+    def _draw_plain(self, tty: bool) -> None:
+        count = self.count
+        elapsed = max(1e-9, time.monotonic() - self._started)
+        rate = count / elapsed
+        if self.total:
+            pct = 100.0 * count / self.total
+            left = (self.total - count) / rate if rate > 0 else float("inf")
+            eta = f"ETA {_duration(left)}" if left != float("inf") else "ETA ?"
+            line = f"{self.desc}: {count}/{self.total} ({pct:5.1f}%) {rate:,.0f}/s {eta}"
+        else:
+            line = f"{self.desc}: {count} {rate:,.0f}/s {_duration(elapsed)}"
+        if self.per_rank:
+            line += " | " + self._rank_rates()
+        if tty:
+            padded = line.ljust(self._plain_width)
+            self._plain_width = len(line)
+            _write("\r" + padded)
+        else:
+            self._plain_width = len(line)
+            _write(line + "\n")
+
+    def _rank_rates(self) -> str:
+        return " ".join(f"r{r} {rate:,.0f}/s" for r, rate in enumerate(self.rates()))
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):
+        try:
+            os.write(2, text.encode())
+        except OSError:
+            pass
+
+
+def as_progress(value: Any) -> Progress | None:
+    """spawn's ``progress=`` argument: None/False, True (no total), an int total, or a
+    ``Progress``."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Progress()
+    if isinstance(value, Progress):
+        return value
+    if isinstance(value, int):
+        return Progress(value)
+    raise TypeError(
+        f"progress must be an int (the total number of steps), True, or a "
+        f"procspawn.Progress, got {type(value).__name__}"
+    )

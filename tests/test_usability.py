@@ -1,0 +1,396 @@
+"""What a new user meets first: spawn's options, ProcessContext control, rank environment,
+errors that explain a rank dying before ``fn``, progress, and share_memory_ on nested
+objects."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from _helpers import ROOT, run_script, script_env
+from _usability_workers import (
+    count_steps,
+    quick_or_fail,
+    quick_or_slow,
+    rank_environment,
+    scaled,
+    sleep_forever,
+    write_into,
+)
+
+import procspawn as mp
+from procspawn import sharing
+
+# -- spawn(kwargs=..., timeout=..., grace_period=...) ------------------------------------
+
+
+def test_kwargs_reach_fn(start_method):
+    out = mp.spawn(
+        scaled, args=(5,), kwargs={"scale": 3, "shift": 1}, nprocs=2, start_method=start_method
+    )
+    assert out == [16, 19]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [([("scale", 3)], "kwargs must be a dict"), ({1: 2}, "kwargs keys must be strings")],
+)
+def test_bad_kwargs_is_a_type_error_before_anything_starts(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        mp.spawn(scaled, args=(1,), kwargs=kwargs, nprocs=2)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"timeout": 0}, "timeout must be a number of seconds > 0"),
+        ({"timeout": "5"}, "timeout must be a number"),
+        ({"timeout": 5, "join": False}, "timeout applies to join=True"),
+        ({"grace_period": -1}, "grace_period must be a number of seconds >= 0"),
+    ],
+)
+def test_bad_timeout_or_grace_period(options, message):
+    with pytest.raises(ValueError, match=message):
+        mp.spawn(scaled, args=(1,), nprocs=1, **options)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_stops_the_ranks_still_running_and_keeps_finished_results():
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessTimeoutError) as info:
+        mp.spawn(quick_or_slow, args=([1, 2], 60), nprocs=3, timeout=2.0, grace_period=0.5)
+    took = time.monotonic() - start
+    err = info.value
+    assert isinstance(err, TimeoutError) and isinstance(err, mp.ProcessException)
+    assert err.ranks == [1, 2]
+    assert err.error_index == 1
+    assert err.elapsed >= 2.0
+    assert err.results == [0, None, None]
+    assert "rank(s) 1 (pid" in str(err) and "still running" in str(err)
+    assert took < 30  # stopped, not waited for (60 s of sleep)
+    clone = pickle.loads(pickle.dumps(err))
+    assert clone.ranks == [1, 2] and clone.results == [0, None, None]
+
+
+# -- results kept after a failure; terminate(); context manager --------------------------
+
+
+@pytest.mark.timeout(60)
+def test_results_of_finished_ranks_survive_a_failure():
+    ctx = mp.spawn(quick_or_fail, args=(2, 1.0), nprocs=3, join=False)
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        while not ctx.join(timeout=5):
+            pass
+    assert info.value.results == [0, 10, None]
+    assert ctx.results == [0, 10, None]
+    assert f"(pid {ctx.pids()[2]})" in str(info.value)  # str() names the pid
+
+
+@pytest.mark.timeout(60)
+def test_terminate_stops_running_ranks():
+    ctx = mp.spawn(quick_or_slow, args=([1], 60), nprocs=2, join=False)
+    deadline = time.monotonic() + 30
+    while ctx.processes[0].exitcode is None and time.monotonic() < deadline:
+        ctx.join(timeout=0.1)
+    ctx.terminate(grace_period=0.5)
+    assert all(p.exitcode is not None for p in ctx.processes)
+    assert ctx.processes[1].exitcode == -signal.SIGTERM
+    assert ctx.join() is True
+    assert ctx.results == [0, None]
+    ctx.terminate()  # idempotent
+
+
+@pytest.mark.timeout(60)
+def test_leaving_the_with_block_stops_the_ranks():
+    with pytest.raises(RuntimeError, match="user loop failed"):
+        with mp.spawn(sleep_forever, nprocs=2, join=False, grace_period=0.5) as ctx:
+            pids = ctx.pids()
+            raise RuntimeError("user loop failed")
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid) is False
+
+
+def _is_zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return False
+
+
+# -- rank environment and output ---------------------------------------------------------
+
+
+def test_ranks_have_torchrun_environment(start_method):
+    out = mp.spawn(rank_environment, nprocs=2, start_method=start_method)
+    assert out == [
+        {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        for r in range(2)
+    ]
+
+
+@pytest.mark.timeout(90)
+def test_prefix_output_and_stderr_pass_through(start_method):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import procspawn
+
+        def talk(rank):
+            print(f"out {{rank}}", flush=True)
+            print(f"err {{rank}}", file=sys.stderr, flush=True)
+
+        if __name__ == "__main__":
+            procspawn.spawn(talk, nprocs=2, prefix_output=True, start_method={start_method!r})
+            procspawn.spawn(talk, nprocs=1, start_method={start_method!r})
+            print("parent done")
+        """
+    )
+    result = run_script(code, timeout=80)
+    assert result.returncode == 0, result.stderr
+    out_lines = result.stdout.splitlines()
+    err_lines = result.stderr.splitlines()
+    assert "[rank 0] out 0" in out_lines and "[rank 1] out 1" in out_lines
+    assert "[rank 0] err 0" in err_lines and "[rank 1] err 1" in err_lines
+    # without prefix_output: stdout is the parent's own, stderr passes through unchanged
+    assert "out 0" in out_lines and "err 0" in err_lines
+    assert out_lines[-1] == "parent done"
+
+
+# -- a rank that dies before fn runs -----------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_missing_main_guard_is_explained(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import procspawn\n\ndef f(rank):\n    return rank\n\nprint(procspawn.spawn(f, nprocs=2))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=script_env(),
+    )
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()
+    message = result.stderr[result.stderr.rindex("ProcessExitedException") :]
+    assert "exited with exit code 1" in message
+    assert "its last output on stderr was:" in message
+    assert '`if __name__ == "__main__":` guard' in message
+    assert last  # the live stream was not swallowed: the child's traceback is there too
+    assert result.stderr.count("was called while this process was still starting") >= 2
+
+
+@pytest.mark.timeout(90)
+def test_script_on_stdin_runs():
+    code = textwrap.dedent(
+        """
+        import procspawn
+
+        def f(rank):
+            return rank * 7
+
+        if __name__ == "__main__":
+            print(procspawn.spawn(f, nprocs=2))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=script_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0, 7]"
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_double_ctrl_c_gives_one_traceback_and_runs_finally_blocks(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time
+        import procspawn
+
+        def work(rank, folder):
+            try:
+                open(os.path.join(folder, f"started{{rank}}"), "w").close()
+                time.sleep(60)
+            finally:
+                time.sleep(0.3)  # a second interrupt here would cut this short
+                open(os.path.join(folder, f"finally{{rank}}"), "w").close()
+
+        if __name__ == "__main__":
+            procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, grace_period=10)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,  # its own process group, as a terminal's job
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert proc.poll() is None
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        os.kill(proc.pid, signal.SIGINT)  # and once more to the parent (timeout -s INT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert all((tmp_path / f"finally{r}").exists() for r in range(2)), err
+    parent_tracebacks = [line for line in err.splitlines() if line.startswith("KeyboardInterrupt")]
+    assert len(parent_tracebacks) == 1, err
+    assert "_stop_all" not in err and "_sigint_held" not in err, err
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+def test_progress_counts_by_rank(start_method):
+    ctx = mp.spawn(
+        count_steps,
+        args=(250,),
+        nprocs=2,
+        join=False,
+        start_method=start_method,
+        progress=mp.Progress(500, show=False),
+    )
+    while not ctx.join(timeout=5):
+        pass
+    assert ctx.progress.counts == [250, 250]
+    assert ctx.progress.count == 500
+
+
+def test_progress_without_a_parent_request_is_a_no_op():
+    mp.progress(5)  # not in a rank, nothing asked: nothing happens
+    assert mp.spawn(count_steps, args=(10,), nprocs=1) == [0]
+
+
+@pytest.mark.timeout(90)
+def test_progress_display_plain_and_forced():
+    code = textwrap.dedent(
+        """
+        import procspawn
+
+        def steps(rank):
+            for _ in range(1000):
+                procspawn.progress()
+
+        if __name__ == "__main__":
+            bar = procspawn.Progress(2000, show=True, per_rank=True, use_tqdm=False,
+                                     desc="train")
+            procspawn.spawn(steps, nprocs=2, progress=bar)
+            procspawn.spawn(steps, nprocs=2, progress=2000)  # not a terminal: nothing shown
+        """
+    )
+    result = run_script(code, timeout=80)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("train:")]
+    assert lines and lines[-1].startswith("train: 2000/2000 (100.0%)"), result.stderr
+    assert "r0 " in lines[-1] and "r1 " in lines[-1]
+    assert result.stderr.count("2000/2000") == 1
+
+
+@pytest.mark.parametrize("bad", ["10", 2.5, -1])
+def test_bad_progress_argument(bad):
+    with pytest.raises((TypeError, ValueError), match="progress"):
+        mp.spawn(count_steps, args=(1,), nprocs=1, progress=bad)
+
+
+# -- share_memory_ on nested objects, files in arguments ----------------------------------
+
+
+class Model:
+    pass
+
+
+def test_share_memory_reaches_nested_arrays_and_ranks_write_them(start_method):
+    model = Model()
+    model.layers = [{"w": np.zeros(2)}, (np.zeros(2), "bias")]
+    model.by_name = {"b": np.zeros(2)}
+    model.myself = model  # a cycle
+    model.layers.append(model.layers)  # another
+    assert sharing.share_memory_(model) is model
+    assert sharing.is_shared(model.layers[0]["w"])
+    assert sharing.is_shared(model.layers[1][0]) and model.layers[1][1] == "bias"
+    assert sharing.is_shared(model.by_name["b"])
+    mp.spawn(write_into, args=(model,), nprocs=2, start_method=start_method)
+    assert model.layers[0]["w"].tolist() == [1, 2]
+    assert model.layers[1][0].tolist() == [-1, -2]
+    assert model.by_name["b"].tolist() == [100, 101]
+
+
+class Frozen:
+    __slots__ = ()
+
+
+def test_share_memory_refuses_what_it_cannot_share():
+    with pytest.raises(TypeError, match="a tuple cannot be changed in place"):
+        sharing.share_memory_((np.zeros(2),))
+    with pytest.raises(TypeError, match="share_memory_ takes"):
+        sharing.share_memory_(Frozen())
+    holder = Model()
+    holder.inner = type("P", (), {"__setattr__": _no_setattr, "w": None})()
+    object.__setattr__(holder.inner, "w", np.zeros(3))
+    with pytest.raises(TypeError, match="writes made by other processes would be lost"):
+        sharing.share_memory_(holder)
+
+
+def _no_setattr(self, name, value):
+    raise AttributeError(f"{name} is read-only")
+
+
+def _read_first_line(rank, f):
+    return f.readline()
+
+
+def test_an_open_file_in_args_is_refused_like_the_stdlib(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("line\n")
+    with open(path) as f:
+        with pytest.raises(pickle.PicklingError, match=r"args\[0\].*open file"):
+            mp.spawn(_read_first_line, args=(f,), nprocs=1)
+    with open(path) as f:
+        q = mp.get_context("spawn").Queue()
+        try:
+            with pytest.raises(pickle.PicklingError, match="Send its path"):
+                q.put(f)
+        finally:
+            q.close()
+            q.join_thread()
+
+
+# -- PROCSPAWN_START_METHOD ---------------------------------------------------------------
+
+
+def test_start_method_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PROCSPAWN_START_METHOD", "fork")
+    ctx = mp.spawn(scaled, args=(1,), nprocs=1, join=False)
+    assert type(ctx.processes[0]).__name__ == "ForkProcess"
+    ctx.join()
+    monkeypatch.setenv("PROCSPAWN_START_METHOD", "threads")
+    with pytest.raises(ValueError, match="PROCSPAWN_START_METHOD='threads'"):
+        mp.spawn(scaled, args=(1,), nprocs=1)

@@ -339,6 +339,37 @@ def test_custom_strategy_registered_and_used(start_method):
         mp.set_sharing_strategy(previous)
 
 
+def test_arrays_of_a_strategy_class_defined_in_a_function_travel(start_method):
+    """The C pickler cannot name such a class; the message goes by cloudpickle instead,
+    from the parent and from a rank that received the strategy by value."""
+    from _helpers import CountingStrategy
+
+    strat = CountingStrategy()  # its class is local to CountingStrategy.__new__
+    sharing.register_strategy("counting_local", strat)
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("counting_local")
+    try:
+        shared = sharing.zeros(50_000)
+        shared[:] = 2.0
+        message = sharing.dumps({"a": shared})
+        try:
+            back = sharing.loads(message.data, [os.dup(fd) for fd in message.fds])["a"]
+        finally:
+            message.close()
+        assert np.shares_memory(back, shared) or back[0] == 2.0
+
+        def fn(rank, a):
+            out = sharing.zeros(50_000)  # made by the rank's copy of the strategy
+            out[:] = a[0] + rank
+            return out
+
+        [result] = mp.spawn(fn, args=(shared,), nprocs=1, start_method=start_method)
+        assert float(result[0]) == 2.0 and sharing.is_shared(result)
+        del back, result
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
 def test_file_system_segments_are_private_and_freed():
     mp.set_sharing_strategy("file_system")
     try:

@@ -231,9 +231,18 @@ def dumps(obj: Any, deferred: list[Any] | None = None) -> Message:
     state = SendState()
     previous = begin_send(state)
     try:
+        data = None
         if kind == _PLAIN_WITH_ARRAYS:
-            data = _plain_dumps(obj)
-        else:
+            try:
+                data = _plain_dumps(obj)
+            except (pickle.PicklingError, AttributeError, TypeError):
+                # A custom strategy travels with its handles, and the C pickler can only
+                # name a class: one defined in a function, or received by value in a
+                # child, goes through cloudpickle, by value, with a fresh message.
+                state.discard()
+                state = SendState()
+                begin_send(state)
+        if data is None:
             buf = io.BytesIO()
             if deferred is None:
                 _cloud_picklers()[0](buf).dump(obj)

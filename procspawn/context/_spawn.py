@@ -180,9 +180,10 @@ def start_processes(
         prefix_output: prefix each line the ranks print with ``[rank r]``.
 
     Every rank has ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in its
-    environment. Its stderr goes through the parent (live, unchanged unless
-    ``prefix_output``), so a rank that dies before ``fn`` runs is explained by what it
-    printed last.
+    environment. Its stdout and stderr go through the parent, live, line by line
+    (prefixed with ``prefix_output``) to ``sys.stdout`` / ``sys.stderr`` (so a notebook
+    shows them), and a rank that dies before ``fn`` runs is explained by what it printed
+    last on stderr.
 
     Returns:
         With ``join=True``, the list of return values by rank; else a ``ProcessContext``.
@@ -209,9 +210,7 @@ def start_processes(
     try:
         for rank in range(nprocs):
             processes.append(
-                _start_rank(
-                    rank, nprocs, payload, start_method, daemon, prefix_output, output, channels
-                )
+                _start_rank(rank, nprocs, payload, start_method, daemon, output, channels)
             )
     except BaseException:
         context = ProcessContext(processes, channels[: len(processes)], payload, output=output)
@@ -233,15 +232,14 @@ def _start_rank(
     payload: StartupMessage,
     start_method: str,
     daemon: bool,
-    prefix_output: bool,
     output: OutputForwarder,
     channels: list[socket.socket],
 ) -> BaseProcess:
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     channels.append(parent_end)
-    redirect = {2: output.pipe(rank, "stderr")}
-    if prefix_output:
-        redirect[1] = output.pipe(rank, "stdout")
+    # Both streams go through the parent: lines of ranks do not mix, a notebook shows
+    # them, and a rank that dies early is explained by its stderr.
+    redirect = {1: output.pipe(rank, "stdout"), 2: output.pipe(rank, "stderr")}
     try:
         worker_args = (
             payload,

@@ -43,3 +43,20 @@ def write_into(rank, model):
 
 def sleep_forever(rank):
     time.sleep(120)
+
+
+def ignore_sigterm_then_sleep(rank, folder):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    open(os.path.join(folder, f"ready{rank}"), "w").close()
+    time.sleep(120)
+
+
+def raise_when_ready(rank, folder, nranks):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(folder, f"ready{r}")) for r in range(1, nranks)):
+            break
+        time.sleep(0.02)
+    raise ValueError("rank 0 fails once the others are ready")

@@ -394,3 +394,226 @@ def test_start_method_from_the_environment(monkeypatch):
     monkeypatch.setenv("PROCSPAWN_START_METHOD", "threads")
     with pytest.raises(ValueError, match="PROCSPAWN_START_METHOD='threads'"):
         mp.spawn(scaled, args=(1,), nprocs=1)
+
+
+# -- stopping is never cut short; results sent are kept; nothing held by a dropped context --
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_the_grace_period_still_kills_and_reaps_every_rank(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        import procspawn
+
+        def work(rank, folder):
+            if rank == 0:
+                while not os.path.exists(os.path.join(folder, "ready1")):
+                    time.sleep(0.02)
+                raise ValueError("rank 0 fails")
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlives the grace period
+            open(os.path.join(folder, f"pid{{rank}}"), "w").write(str(os.getpid()))
+            os.rename(os.path.join(folder, f"pid{{rank}}"), os.path.join(folder, "ready1"))
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            try:
+                procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, grace_period=60)
+            except procspawn.ProcessRaisedException as err:
+                print("raised", err.error_index, flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready1").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never ready"
+            time.sleep(0.05)
+        rank1 = int((tmp_path / "ready1").read_text())
+        time.sleep(1.0)  # rank 0 has failed; the parent is in its 60 s grace period
+        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C now: cut the grace short, stop cleanly
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert out.strip() == "raised 0", err
+    assert "KeyboardInterrupt" not in err, err
+    assert not os.path.exists(f"/proc/{rank1}") or _is_zombie(rank1) is False
+
+
+@pytest.mark.timeout(60)
+def test_results_already_sent_are_kept_when_another_rank_failed():
+    ctx = mp.spawn(quick_or_fail, args=(0, 0.0), nprocs=3, join=False)
+    for p in ctx.processes:  # every rank has exited and sent what it sends
+        p.join(30)
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        ctx.join()
+    assert info.value.error_index == 0
+    assert info.value.results == [None, 10, 20]
+    assert ctx.results == [None, 10, 20]
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_in_the_with_block_lets_the_ranks_finally_blocks_run(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, time
+        import procspawn
+
+        def work(rank, folder):
+            try:
+                open(os.path.join(folder, f"started{{rank}}"), "w").close()
+                time.sleep(60)
+            finally:
+                time.sleep(0.5)
+                open(os.path.join(folder, f"finally{{rank}}"), "w").close()
+
+        if __name__ == "__main__":
+            with procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, join=False,
+                                 grace_period=20) as ctx:
+                while True:
+                    time.sleep(0.05)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, "ranks did not start"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert all((tmp_path / f"finally{r}").exists() for r in range(2)), err
+    assert err.count("KeyboardInterrupt") == 1, err
+
+
+@pytest.mark.timeout(60)
+def test_a_context_dropped_unclosed_releases_what_it_held():
+    import gc
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name == "procspawn-output"}
+    ctx = mp.spawn(scaled, args=(1,), nprocs=2, join=False)
+    for p in ctx.processes:  # torch-style: join the processes by hand, never the context
+        p.join(30)
+    del ctx, p
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while {t for t in threading.enumerate() if t.name == "procspawn-output"} - before:
+        assert time.monotonic() < deadline, "the output thread outlived its context"
+        time.sleep(0.05)
+    # the leak check then sees no descriptor left open
+
+
+def test_a_progress_object_shows_each_run(capsys):
+    bar = mp.Progress(20, show=True, use_tqdm=False, desc="steps")
+    mp.spawn(count_steps, args=(10,), nprocs=2, progress=bar)
+    mp.spawn(count_steps, args=(10,), nprocs=2, progress=bar)
+    err = capsys.readouterr().err
+    assert err.count("steps: 20/20 (100.0%)") == 2, err
+
+
+# -- share_memory_: subclasses, masked arrays, slots, depth --------------------------------
+
+
+class Tagged(np.ndarray):
+    def __array_finalize__(self, obj):
+        self.tag = getattr(obj, "tag", None)
+
+
+class Slotted:
+    __slots__ = ("w", "empty")
+
+    def __init__(self):
+        self.w = np.ones(4)
+
+
+class Node:
+    def __init__(self, nxt):
+        self.nxt = nxt
+        self.value = np.zeros(1)
+
+
+def test_share_memory_keeps_subclasses_and_refuses_masked_arrays():
+    tagged = np.arange(4.0).view(Tagged)
+    tagged.tag = "weights"
+    holder = {"t": tagged}
+    sharing.share_memory_(holder)
+    assert type(holder["t"]) is Tagged and sharing.is_shared(holder["t"])
+    assert holder["t"].tag == "weights" and holder["t"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    masked = {"x": np.ma.masked_array([1.0, 2.0], mask=[True, False])}
+    with pytest.raises(TypeError, match="masked array"):
+        sharing.share_memory_(masked)
+    assert type(masked["x"]) is np.ma.MaskedArray and not sharing.is_shared(masked["x"].data)
+
+
+def test_share_memory_searches_slots_and_deep_structures():
+    holder = {"s": Slotted()}
+    sharing.share_memory_(holder)
+    assert sharing.is_shared(holder["s"].w)
+    chain = None
+    for _ in range(3000):  # deeper than Python's recursion limit
+        chain = Node(chain)
+    sharing.share_memory_(chain)
+    node, count = chain, 0
+    while node is not None:
+        assert sharing.is_shared(node.value)
+        node, count = node.nxt, count + 1
+    assert count == 3000
+    del chain, node
+
+
+@pytest.mark.timeout(90)
+def test_rank_variables_are_set_before_the_main_module_is_imported_again(tmp_path):
+    script = tmp_path / "main_reads_rank.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os
+            import sys
+            import procspawn
+
+            if __name__ == "__mp_main__":  # a rank importing the main module again
+                folder = os.path.dirname(os.path.abspath(__file__))
+                open(os.path.join(folder, f"imported_as_{os.environ.get('RANK')}"), "w").close()
+
+            def f(rank):
+                return rank
+
+            if __name__ == "__main__":
+                print(procspawn.spawn(f, nprocs=2, start_method="spawn"))
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env={k: v for k, v in script_env().items() if k != "RANK"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0, 1]"
+    assert sorted(p.name for p in tmp_path.glob("imported_as_*")) == [
+        "imported_as_0",
+        "imported_as_1",
+    ]

@@ -8,8 +8,13 @@ must be a pipe the parent reads, from the very start of the child:
 * spawn: the child is a fresh interpreter started by ``multiprocessing``; our ``Popen``
   passes the pipe's descriptor to it and puts ``os.dup2`` in front of the command line's
   bootstrap code, so it runs before the main module is imported again;
-* fork, forkserver: the worker redirects its descriptors first thing (``redirect``), since
-  nothing of the user's runs before it in those children.
+* fork, forkserver: the worker redirects its descriptors first thing (``RedirectFds``).
+  Under fork nothing of the user's runs before it. Under forkserver the child imports the
+  main module again first (as under spawn): what fails there is printed by the fork
+  server's stderr and the exception shows the exit code without that tail (a known limit).
+
+Under spawn the rank's ``RANK`` / ``WORLD_SIZE`` variables are set by the same command-line
+prefix, so the main module's top level sees them when it is imported again.
 
 It also leaves out the main module's path when it is not a file (a script read from
 stdin, ``python -``): the stdlib's child would fail trying to run ``<stdin>``, while
@@ -57,6 +62,7 @@ class _SpawnPopen(popen_spawn_posix.Popen):
         from multiprocessing import resource_tracker
 
         redirect: dict[int, int] = process_obj.__dict__.pop("_procspawn_redirect", {})
+        environ: dict[str, str] = process_obj.__dict__.pop("_procspawn_env", {})
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
         tracker_fd: Any = resource_tracker.getfd()
         passed.append(tracker_fd)
@@ -77,10 +83,11 @@ class _SpawnPopen(popen_spawn_posix.Popen):
             parent_r, child_w = os.pipe()
             child_r, parent_w = os.pipe()
             cmd = spawn.get_command_line(tracker_fd=tracker_fd, pipe_handle=child_r)
-            if redirect and "-c" in cmd:
+            if (redirect or environ) and "-c" in cmd:
                 at = cmd.index("-c") + 1
                 moves = "".join(f"os.dup2({fd},{t});os.close({fd});" for t, fd in redirect.items())
-                cmd[at] = f"import os;{moves}{cmd[at]}"
+                env = f"os.environ.update({environ!r});" if environ else ""
+                cmd[at] = f"import os;{moves}{env}{cmd[at]}"
                 passed.extend(redirect.values())
             passed.extend([child_r, child_w])
             exe: Any = spawn.get_executable()

@@ -16,7 +16,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -101,8 +102,9 @@ class ProcessContext:
         self._readers = [MessageReader(sock) for sock in channels]
         self._results: list[Any] = [_MISSING] * len(processes)
         self._exited = [False] * len(processes)
-        self._keepalive = keepalive  # the spawn payload: shared segments the ranks map
         self._output = output
+        # keepalive: the spawn payload, whose shared segments the ranks map
+        self._release = weakref.finalize(self, _release, self._readers, output, progress, keepalive)
         self._grace_period = grace_period
         self._started = time.monotonic()
         self._error: ProcessException | None = None
@@ -130,8 +132,13 @@ class ProcessContext:
     def __enter__(self) -> ProcessContext:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.terminate()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._closed:
+            return
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C in the block: as in join()
+            self._interrupted(exc, self._grace(None))
+        else:
+            self.terminate()
 
     def terminate(self, grace_period: float | None = None) -> None:
         """Stop every rank still running (SIGTERM, then SIGKILL after the grace period)
@@ -253,8 +260,7 @@ class ProcessContext:
         """Ctrl-C: SIGINT to the ranks (KeyboardInterrupt there, ``finally`` blocks run),
         SIGKILL after the grace period; further Ctrl-Cs are held off meanwhile, so the
         user sees one traceback."""
-        with _sigint_held():
-            self._stop_all(grace_period, signal.SIGINT)
+        self._stop_all(grace_period, signal.SIGINT)
         self._fail(_stopped_by(exc), grace_period)
 
     # -- reading results -------------------------------------------------------------------
@@ -365,36 +371,75 @@ class ProcessContext:
     # -- stopping --------------------------------------------------------------------------
 
     def _stop_all(self, grace_period: float, signum: int = signal.SIGTERM) -> None:
-        """Signal every live rank, SIGKILL what is left after the grace period, reap all."""
+        """Signal every live rank, SIGKILL what is left after the grace period, reap all,
+        keep the results already sent, release everything.
+
+        Whatever happens meanwhile, every rank ends up killed and reaped: a Ctrl-C during
+        the grace period does not interrupt the stopping, it only cuts the grace short.
+        """
         alive = [p for p in self.processes if p.exitcode is None]
-        for p in alive:
-            _signal(p, signum)
-        deadline = time.monotonic() + grace_period
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in alive:
-            if p.exitcode is None:
-                _signal(p, signal.SIGKILL)
-        for p in alive:
-            p.join()
-        self._close()
+
+        def hurry() -> None:
+            for p in alive:
+                if p.exitcode is None:
+                    _signal(p, signal.SIGKILL)
+
+        with _sigint_held(hurry):
+            try:
+                for p in alive:
+                    _signal(p, signum)
+                deadline = time.monotonic() + grace_period
+                for p in alive:
+                    p.join(max(0.0, deadline - time.monotonic()))
+            finally:
+                hurry()
+                for p in alive:
+                    p.join()
+                self._keep_sent_results()
+                self._close()
+
+    def _keep_sent_results(self) -> None:
+        """Every rank has exited: a result it sent is whole in its channel. Keep those
+        (an error message there is not the first failure any more, and is dropped)."""
+        for rank, reader in enumerate(self._readers):
+            if self._results[rank] is _MISSING and not reader.eof and not self._closed:
+                try:
+                    self._read(rank)
+                except Exception:
+                    pass
 
     def _close(self) -> None:
         if self._closed:
             return
-        self._closed = True
-        for reader in self._readers:
-            reader.close()
-            reader.sock.close()
+        for reader in self._readers:  # first: a rank blocked sending its result gets EPIPE
+            _close_reader(reader)
         for p in self.processes:
             p.join()
-        if self.progress is not None:
-            self.progress.close()
-        if self._output is not None:
-            self._output.close(_OUTPUT_DRAIN)
-        if self._keepalive is not None:
-            self._keepalive.close()
-            self._keepalive = None
+        self._closed = True
+        self._release()
+
+
+def _close_reader(reader: MessageReader) -> None:
+    reader.close()
+    reader.sock.close()
+
+
+def _release(
+    readers: list[MessageReader],
+    output: OutputForwarder | None,
+    progress: Progress | None,
+    keepalive: Any,
+) -> None:
+    """What a context holds besides its processes. Run by ``_close``, or by the garbage
+    collector for a context dropped unclosed (ranks joined by hand, say)."""
+    for reader in readers:
+        _close_reader(reader)
+    if progress is not None:
+        progress.close()
+    if output is not None:
+        output.close(_OUTPUT_DRAIN)
+    if keepalive is not None:
+        keepalive.close()
 
 
 def _detached(exc: ProcessException) -> ProcessException:
@@ -414,14 +459,14 @@ def _stopped_by(exc: BaseException) -> ProcessException:
 
 
 @contextlib.contextmanager
-def _sigint_held() -> Iterator[None]:
-    """Hold further SIGINTs off while the ranks stop (main thread only; others cannot set
-    handlers, and never get KeyboardInterrupt anyway)."""
+def _sigint_held(on_sigint: Callable[[], None]) -> Iterator[None]:
+    """While the ranks stop, a SIGINT calls ``on_sigint`` instead of raising (main thread
+    only; other threads cannot set handlers, and never get KeyboardInterrupt anyway)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
     except ValueError:
         yield
         return

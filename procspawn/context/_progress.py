@@ -25,7 +25,10 @@ _counter: tuple[Any, int] | None = None
 
 
 def progress(n: int = 1) -> None:
-    """Add ``n`` to this rank's progress counter (a no-op unless the parent asked for it)."""
+    """Add ``n`` to this rank's progress counter (a no-op unless the parent asked for it).
+
+    Call it from one thread of the rank: the counter has one writer and no lock.
+    """
     counter = _counter
     if counter is not None:
         view, index = counter
@@ -90,6 +93,10 @@ class Progress:
         self._counters = zeros(nprocs * _SLOT, dtype="int64")
         self._nprocs = nprocs
         self._started = time.monotonic()
+        self._last_draw = 0.0  # a Progress used again: a display of its own
+        self._bar = None
+        self._plain_width = 0
+        self._closed = False
         return self._counters
 
     @property

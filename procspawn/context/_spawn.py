@@ -237,10 +237,12 @@ def _start_rank(
 ) -> BaseProcess:
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     channels.append(parent_end)
-    # Both streams go through the parent: lines of ranks do not mix, a notebook shows
-    # them, and a rank that dies early is explained by its stderr.
-    redirect = {1: output.pipe(rank, "stdout"), 2: output.pipe(rank, "stderr")}
+    redirect: dict[int, int] = {}
     try:
+        # Both streams go through the parent: lines of ranks do not mix, a notebook shows
+        # them, and a rank that dies early is explained by its stderr.
+        redirect[1] = output.pipe(rank, "stdout")
+        redirect[2] = output.pipe(rank, "stderr")
         worker_args = (
             payload,
             rank,
@@ -254,6 +256,7 @@ def _start_rank(
         if start_method == "spawn":
             proc = RankSpawnProcess(target=_worker.main, args=worker_args, name=name)
             proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
+            proc._procspawn_env = _worker.rank_environment(rank, nprocs)  # type: ignore[attr-defined]
         else:
             mp_context = multiprocessing.get_context(start_method)
             proc = mp_context.Process(  # type: ignore[attr-defined]

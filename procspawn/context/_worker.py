@@ -64,14 +64,22 @@ def main(
         channel.close()
 
 
+def rank_environment(rank: int, world_size: int) -> dict[str, str]:
+    """torchrun's names, so code written for it finds its rank (one machine: local = global).
+
+    Under spawn they are also set before the main module is imported again in the rank
+    (see ``_popen``), so its top level sees them too.
+    """
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
 def _set_rank_environment(rank: int, world_size: int) -> None:
-    """torchrun's names, so code written for it finds its rank (one machine: local = global)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    os.environ.update(rank_environment(rank, world_size))
 
 
 def _interrupt_once() -> None:

@@ -37,21 +37,26 @@ def share_memory_(obj: Any) -> Any:
         obj: an ndarray (a shared copy is returned, ``obj`` is unchanged); or a dict, a
             list, or an object with attributes, whose arrays are replaced in place by
             shared copies, at any depth: dicts, lists and tuples inside it and the
-            attributes of objects inside it are searched too (cycles are fine; a tuple
-            holding arrays is replaced by a new tuple in its container). Arrays that were
-            views of one base become views of one shared base; arrays already shared are
-            left as they are.
+            attributes of objects inside it (``__dict__`` or ``__slots__``) are searched
+            too (cycles are fine; a tuple holding arrays is replaced by a new tuple in its
+            container). Arrays that were views of one base become views of one shared base;
+            arrays already shared are left as they are; ndarray subclasses (``np.matrix``,
+            say) keep their type.
 
     Returns:
         The shared copy for an ndarray; ``obj`` itself otherwise.
 
     Raises:
-        TypeError: ``obj`` is a tuple or has nothing to search, or an array sits where it
-            cannot be replaced (a read-only attribute): nothing would share it, and writes
-            made by the ranks would be lost.
+        TypeError: ``obj`` is a tuple or has nothing to search; a masked array is found
+            (share its ``.data`` and ``.mask`` instead); or an array sits where it cannot
+            be replaced (a read-only attribute, a tuple type that cannot be rebuilt):
+            nothing would share it, and writes made by the ranks would be lost. The
+            check comes before anything is changed when it can (masked arrays, bad
+            arguments); a failing attribute is reported as it is met.
     """
     if isinstance(obj, np.ndarray):
-        return obj if is_shared(obj) else copy_to_segment(obj)
+        _check_array(obj, "the array")
+        return obj if is_shared(obj) else _keep_type(copy_to_segment(obj), obj)
     if isinstance(obj, tuple) or not _searchable(obj):
         raise TypeError(
             f"share_memory_ takes an ndarray, a dict, a list or an object with array "
@@ -62,11 +67,41 @@ def share_memory_(obj: Any) -> Any:
                 else ""
             )
         )
-    arrays: list[np.ndarray] = []
-    _collect(obj, arrays, set())
+    arrays = _collect(obj)
     moved = _share_together(arrays)
-    _replace(obj, moved, {})
+    for array in arrays:
+        if id(array) in moved:
+            moved[id(array)] = _keep_type(moved[id(array)], array)
+    _replace(obj, moved)
     return obj
+
+
+def _check_array(array: np.ndarray, where: str) -> None:
+    if isinstance(array, np.ma.MaskedArray):
+        raise TypeError(
+            f"share_memory_ cannot share {where}, a masked array: its mask would stay "
+            f"private. Share its .data and .mask (np.ma.getmaskarray) as two arrays."
+        )
+
+
+def _keep_type(shared: np.ndarray, original: np.ndarray) -> np.ndarray:
+    """The shared copy as the original's ndarray subclass, with its attributes."""
+    if type(original) is np.ndarray:
+        return shared
+    view = shared.view(type(original))
+    if hasattr(original, "__dict__"):
+        view.__dict__.update(original.__dict__)
+    return view
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return names
 
 
 def _searchable(obj: Any) -> bool:
@@ -75,7 +110,9 @@ def _searchable(obj: Any) -> bool:
         return True
     if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.MethodType)):
         return False
-    return hasattr(obj, "__dict__")
+    if isinstance(obj, (str, bytes, bytearray, int, float, complex, np.generic)):
+        return False
+    return hasattr(obj, "__dict__") or bool(_slot_names(type(obj)))
 
 
 def _items(obj: Any) -> list[tuple[Any, Any]]:
@@ -83,48 +120,77 @@ def _items(obj: Any) -> list[tuple[Any, Any]]:
         return list(obj.items())
     if isinstance(obj, (list, tuple)):
         return list(enumerate(obj))
-    return list(vars(obj).items())
+    items = list(vars(obj).items()) if hasattr(obj, "__dict__") else []
+    for name in _slot_names(type(obj)):
+        try:
+            items.append((name, getattr(obj, name)))
+        except AttributeError:
+            pass  # an empty slot
+    return items
 
 
-def _collect(obj: Any, arrays: list[np.ndarray], seen: set[int]) -> None:
+def _collect(obj: Any) -> list[np.ndarray]:
     """Every ndarray reachable from ``obj`` through containers and plain objects."""
+    arrays: list[np.ndarray] = []
+    seen: set[int] = set()
     stack = [obj]
     while stack:
         item = stack.pop()
         if id(item) in seen:
             continue
         seen.add(id(item))
-        for _, value in _items(item):
+        for key, value in _items(item):
             if isinstance(value, np.ndarray):
+                _check_array(value, f"{type(item).__name__}[{key!r}]")
                 arrays.append(value)
             elif _searchable(value):
                 stack.append(value)
+    return arrays
 
 
-def _replace(obj: Any, moved: dict[int, np.ndarray], done: dict[int, Any]) -> Any:
-    """Put the shared copies in place; returns ``obj``, or a new tuple for a changed tuple."""
-    if id(obj) in done:
-        return done[id(obj)]
-    done[id(obj)] = obj  # a cycle back to a tuple being rebuilt keeps the old one
-    changes = []
-    for key, value in _items(obj):
-        if isinstance(value, np.ndarray):
-            new = moved.get(id(value), value)
-        elif _searchable(value):
-            new = _replace(value, moved, done)
-        else:
+def _replace(root: Any, moved: dict[int, np.ndarray]) -> None:
+    """Put the shared copies in place, children before parents (a tuple that changes is
+    rebuilt, and its container takes the new one). Iterative: depth is no limit."""
+    done: dict[int, Any] = {}  # id -> the object, or the tuple rebuilt for it
+    entered: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        obj, children_done = stack.pop()
+        if not children_done:
+            if id(obj) in entered:
+                continue  # done, or an ancestor in a cycle: taken as it is
+            entered.add(id(obj))
+            stack.append((obj, True))
+            for _, value in _items(obj):
+                if not isinstance(value, np.ndarray) and _searchable(value):
+                    stack.append((value, False))
             continue
-        if new is not value:
-            changes.append((key, new))
-    if not changes:
-        return obj
+        changes = []
+        for key, value in _items(obj):
+            if isinstance(value, np.ndarray):
+                new = moved.get(id(value), value)
+            elif _searchable(value):
+                new = done.get(id(value), value)
+            else:
+                continue
+            if new is not value:
+                changes.append((key, new))
+        done[id(obj)] = _apply(obj, changes) if changes else obj
+
+
+def _apply(obj: Any, changes: list[tuple[Any, Any]]) -> Any:
     if isinstance(obj, tuple):
         items = list(obj)
         for key, new in changes:
             items[key] = new
-        rebuilt = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-        done[id(obj)] = rebuilt
-        return rebuilt
+        try:
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        except Exception as exc:
+            raise TypeError(
+                f"share_memory_ cannot rebuild a {type(obj).__name__} with the shared "
+                f"arrays in it ({exc}); writes made by other processes would be lost. Use "
+                f"a list or a plain tuple there."
+            ) from exc
     for key, new in changes:
         try:
             if isinstance(obj, (dict, list)):

@@ -219,6 +219,24 @@ def test_script_on_stdin_runs():
 # -- Ctrl-C -------------------------------------------------------------------------------
 
 
+def _start_in_own_group(code):
+    """A script in a process group of its own, as a terminal's job."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
+    )
+
+
+def _kill_group(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.timeout(90)
 def test_double_ctrl_c_gives_one_traceback_and_runs_finally_blocks(tmp_path):
     code = textwrap.dedent(
@@ -238,14 +256,7 @@ def test_double_ctrl_c_gives_one_traceback_and_runs_finally_blocks(tmp_path):
             procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, grace_period=10)
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=script_env(),
-        start_new_session=True,  # its own process group, as a terminal's job
-    )
+    proc = _start_in_own_group(code)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"started{r}").exists() for r in range(2)):
@@ -256,9 +267,7 @@ def test_double_ctrl_c_gives_one_traceback_and_runs_finally_blocks(tmp_path):
         os.kill(proc.pid, signal.SIGINT)  # and once more to the parent (timeout -s INT)
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     assert proc.returncode != 0
     assert all((tmp_path / f"finally{r}").exists() for r in range(2)), err
     parent_tracebacks = [line for line in err.splitlines() if line.startswith("KeyboardInterrupt")]
@@ -411,7 +420,10 @@ def test_ctrl_c_during_the_grace_period_still_kills_and_reaps_every_rank(tmp_pat
                 while not os.path.exists(os.path.join(folder, "ready1")):
                     time.sleep(0.02)
                 raise ValueError("rank 0 fails")
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlives the grace period
+            def on_term(signum, frame):  # outlive the grace period, say we got it
+                open(os.path.join(folder, "got_sigterm"), "w").close()
+
+            signal.signal(signal.SIGTERM, on_term)
             open(os.path.join(folder, f"pid{{rank}}"), "w").write(str(os.getpid()))
             os.rename(os.path.join(folder, f"pid{{rank}}"), os.path.join(folder, "ready1"))
             time.sleep(120)
@@ -423,27 +435,21 @@ def test_ctrl_c_during_the_grace_period_still_kills_and_reaps_every_rank(tmp_pat
                 print("raised", err.error_index, flush=True)
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=script_env(),
-        start_new_session=True,
-    )
+    proc = _start_in_own_group(code)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready1").exists():
             assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never ready"
             time.sleep(0.05)
         rank1 = int((tmp_path / "ready1").read_text())
-        time.sleep(1.0)  # rank 0 has failed; the parent is in its 60 s grace period
-        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C now: cut the grace short, stop cleanly
+        while not (tmp_path / "got_sigterm").exists():  # the parent is stopping the ranks
+            assert time.monotonic() < deadline and proc.poll() is None, "no SIGTERM sent"
+            time.sleep(0.05)
+        time.sleep(1.5)  # later than a duplicate of one Ctrl-C: a user asking to hurry
+        os.kill(proc.pid, signal.SIGINT)  # cuts the 60 s grace period short
         out, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     assert out.strip() == "raised 0", err
     assert "KeyboardInterrupt" not in err, err
     assert not os.path.exists(f"/proc/{rank1}") or _is_zombie(rank1) is False
@@ -483,14 +489,7 @@ def test_ctrl_c_in_the_with_block_lets_the_ranks_finally_blocks_run(tmp_path):
                     time.sleep(0.05)
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=script_env(),
-        start_new_session=True,
-    )
+    proc = _start_in_own_group(code)
     try:
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"started{r}").exists() for r in range(2)):
@@ -499,9 +498,7 @@ def test_ctrl_c_in_the_with_block_lets_the_ranks_finally_blocks_run(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
         _, err = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
     assert all((tmp_path / f"finally{r}").exists() for r in range(2)), err
     assert err.count("KeyboardInterrupt") == 1, err
 

@@ -38,6 +38,7 @@ from ._progress import Progress
 _DEFAULT_GRACE_PERIOD = 3.0
 _PROGRESS_TICK = 0.1  # seconds between progress redraws while joining
 _OUTPUT_DRAIN = 1.0  # seconds to wait for a dead rank's last output
+_DUPLICATE_SIGINT = 1.0  # seconds within which a second SIGINT is the same Ctrl-C
 _MISSING: Any = object()
 
 # (text in a dead rank's stderr, what to tell the user)
@@ -176,43 +177,44 @@ class ProcessContext:
         grace_period = self._grace(grace_period)
         deadline = None if timeout is None else time.monotonic() + timeout
         shown = self.progress
-        try:
-            while True:
-                waiting: dict[Any, tuple[str, int]] = {}
-                for rank, proc in enumerate(self.processes):
-                    if not self._exited[rank]:
-                        waiting[proc.sentinel] = ("exit", rank)
-                    if self._results[rank] is _MISSING and not self._readers[rank].eof:
-                        waiting[self._readers[rank].sock.fileno()] = ("msg", rank)
-                if not waiting:
-                    self._close()
-                    return True
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if shown is not None:
-                    shown.render()
-                    remaining = (
-                        _PROGRESS_TICK if remaining is None else min(remaining, _PROGRESS_TICK)
-                    )
-                ready = wait(list(waiting), remaining)
-                if not ready and deadline is not None and time.monotonic() >= deadline:
-                    return False
-                # Messages first: an error message explains the exit that follows it.
-                ready.sort(key=lambda obj: waiting[obj][0] != "msg")
-                for obj in ready:
-                    kind, rank = waiting[obj]
-                    if kind == "msg":
-                        self._read(rank)
-                    else:
-                        self._on_exit(rank)
-        except ProcessException as exc:
-            self._fail(exc, grace_period)
-            raise
-        except KeyboardInterrupt as exc:
-            self._interrupted(exc, grace_period)
-            raise
-        except BaseException as exc:  # anything else that stops us waiting
-            self._fail(_stopped_by(exc), grace_period)
-            raise
+        with _first_sigint_raises():
+            try:
+                while True:
+                    waiting: dict[Any, tuple[str, int]] = {}
+                    for rank, proc in enumerate(self.processes):
+                        if not self._exited[rank]:
+                            waiting[proc.sentinel] = ("exit", rank)
+                        if self._results[rank] is _MISSING and not self._readers[rank].eof:
+                            waiting[self._readers[rank].sock.fileno()] = ("msg", rank)
+                    if not waiting:
+                        self._close()
+                        return True
+                    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if shown is not None:
+                        shown.render()
+                        remaining = (
+                            _PROGRESS_TICK if remaining is None else min(remaining, _PROGRESS_TICK)
+                        )
+                    ready = wait(list(waiting), remaining)
+                    if not ready and deadline is not None and time.monotonic() >= deadline:
+                        return False
+                    # Messages first: an error message explains the exit that follows it.
+                    ready.sort(key=lambda obj: waiting[obj][0] != "msg")
+                    for obj in ready:
+                        kind, rank = waiting[obj]
+                        if kind == "msg":
+                            self._read(rank)
+                        else:
+                            self._on_exit(rank)
+            except ProcessException as exc:
+                self._fail(exc, grace_period)
+                raise
+            except KeyboardInterrupt as exc:
+                self._interrupted(exc, grace_period)
+                raise
+            except BaseException as exc:  # anything else that stops us waiting
+                self._fail(_stopped_by(exc), grace_period)
+                raise
 
     def _grace(self, grace_period: float | None) -> float:
         if grace_period is not None:
@@ -378,13 +380,20 @@ class ProcessContext:
         the grace period does not interrupt the stopping, it only cuts the grace short.
         """
         alive = [p for p in self.processes if p.exitcode is None]
+        begun = time.monotonic()
 
         def hurry() -> None:
             for p in alive:
                 if p.exitcode is None:
                     _signal(p, signal.SIGKILL)
 
-        with _sigint_held(hurry):
+        def on_sigint() -> None:
+            # One Ctrl-C often arrives twice (a terminal's SIGINT to the whole group and
+            # `timeout -s INT`'s to us): only a later one is the user asking to hurry.
+            if time.monotonic() - begun >= _DUPLICATE_SIGINT:
+                hurry()
+
+        with _sigint_held(on_sigint):
             try:
                 for p in alive:
                     _signal(p, signum)
@@ -456,6 +465,29 @@ def _stopped_by(exc: BaseException) -> ProcessException:
     return ProcessException(
         f"join() was interrupted by {type(exc).__name__}; every rank was stopped", -1, -1
     )
+
+
+@contextlib.contextmanager
+def _first_sigint_raises() -> Iterator[None]:
+    """While joining: the first SIGINT raises KeyboardInterrupt, and one arriving right
+    after it (the same Ctrl-C delivered twice) does nothing until the stopping code holds
+    SIGINT itself. Only with Python's default handler, in the main thread."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The SIGKILL torture, short: 30 random rounds, and 20 under one long-lived parent
+"""The SIGKILL torture, short: 16 random rounds, and 10 under one long-lived parent
 (tests/torture.py --rounds N [--long-lived-parent] for a soak)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from _helpers import ROOT, script_env
 def test_torture(tmp_path, mode):
     out = tmp_path / "figures.json"
     extra = ["--long-lived-parent"] if mode == "long-lived-parent" else []
-    rounds = 20 if extra else 30
+    rounds = 10 if extra else 16
     result = subprocess.run(
         [
             sys.executable,

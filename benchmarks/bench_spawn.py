@@ -4,12 +4,17 @@ Run::
 
     python benchmarks/bench_spawn.py [--repeats N] [--quick] [--json out.json]
 
-Three ways to run ``fn(rank)`` in new processes (start method "spawn"), side by side:
+Ways to run ``fn(rank)`` in new processes, side by side:
 
 * procspawn -- ``procspawn.spawn(fn, nprocs=N, start_method="spawn")``;
+* procspawn fs -- ``procspawn.spawn(fn, nprocs=N, start_method="forkserver")``: procspawn's
+  fork server, with NumPy, cloudpickle and procspawn imported once; it is started before
+  the timings (its start-up is reported on a line of its own);
 * stdlib    -- a plain ``multiprocessing.get_context("spawn").Process`` loop (start N,
   join N); its rank function lives in ``_bench_workers.py``, which imports numpy as
   every procspawn child does, so both columns' children import about as much;
+* stdlib fs -- the same loop with ``multiprocessing.get_context("forkserver")`` (the
+  stdlib's server preloads this script, hence numpy, too);
 * torch     -- ``torch.multiprocessing.spawn(fn, nprocs=N, start_method="spawn")``, when
   torch can be imported (its children import torch, which is part of its cost).
 
@@ -25,8 +30,10 @@ methods interleaved run by run):
   Process does not carry the exception to the parent, only its exit, so that column
   includes the child's interpreter shutdown).
 
-The ratio columns are procspawn's time divided by the other's: below 1 procspawn is
-faster. Every method gets one untimed warm-up run first.
+The ratio columns are a procspawn time divided by another's: below 1 procspawn is
+faster. Every method gets one untimed warm-up run first. Goals (issue 10): procspawn's
+forkserver spawn+join of 8 ranks <= 0.15x the stdlib spawn loop; procspawn's default
+spawn <= 1.1x that loop.
 """
 
 from __future__ import annotations
@@ -68,19 +75,19 @@ class Method:
 # -- procspawn ------------------------------------------------------------------------------
 
 
-def procspawn_spawn_join(nprocs: int) -> None:
+def procspawn_spawn_join(nprocs: int, start_method: str = "spawn") -> None:
     import procspawn
 
-    results = procspawn.spawn(workers.return_rank, nprocs=nprocs, start_method="spawn")
+    results = procspawn.spawn(workers.return_rank, nprocs=nprocs, start_method=start_method)
     if results != list(range(nprocs)):
         raise AssertionError(f"procspawn.spawn returned {results!r}")
 
 
-def procspawn_raise_seen(stamp_path: str) -> float:
+def procspawn_raise_seen(stamp_path: str, start_method: str = "spawn") -> float:
     import procspawn
 
     try:
-        procspawn.spawn(workers.raise_stamped, args=(stamp_path,), start_method="spawn")
+        procspawn.spawn(workers.raise_stamped, args=(stamp_path,), start_method=start_method)
     except procspawn.ProcessRaisedException as exc:
         seen = time.time()
         _check_raised(exc)
@@ -88,11 +95,19 @@ def procspawn_raise_seen(stamp_path: str) -> float:
     raise AssertionError("procspawn.spawn returned although the rank raised")
 
 
+def procspawn_server_start_ms() -> float:
+    """Milliseconds of the first forkserver spawn+join of 1 rank: procspawn's fork server
+    starts and imports its preload list (once per program)."""
+    start = time.perf_counter()
+    procspawn_spawn_join(1, "forkserver")
+    return (time.perf_counter() - start) * 1e3
+
+
 # -- stdlib multiprocessing -------------------------------------------------------------------
 
 
-def stdlib_spawn_join(nprocs: int) -> None:
-    ctx = multiprocessing.get_context("spawn")
+def stdlib_spawn_join(nprocs: int, start_method: str = "spawn") -> None:
+    ctx = multiprocessing.get_context(start_method)
     procs = [ctx.Process(target=workers.return_rank, args=(rank,)) for rank in range(nprocs)]
     for proc in procs:
         proc.start()
@@ -103,8 +118,8 @@ def stdlib_spawn_join(nprocs: int) -> None:
         raise AssertionError(f"stdlib ranks exited with {codes}")
 
 
-def stdlib_raise_seen(stamp_path: str) -> float:
-    proc = multiprocessing.get_context("spawn").Process(
+def stdlib_raise_seen(stamp_path: str, start_method: str = "spawn") -> float:
+    proc = multiprocessing.get_context(start_method).Process(
         target=workers.raise_stamped, args=(0, stamp_path)
     )
     proc.start()
@@ -149,7 +164,17 @@ def available_methods() -> tuple[list[Method], str | None]:
     """The methods to run, and a note when torch cannot be imported."""
     methods = [
         Method("procspawn", procspawn_spawn_join, procspawn_raise_seen),
+        Method(
+            "procspawn fs",
+            lambda n: procspawn_spawn_join(n, "forkserver"),
+            lambda path: procspawn_raise_seen(path, "forkserver"),
+        ),
         Method("stdlib", stdlib_spawn_join, stdlib_raise_seen),
+        Method(
+            "stdlib fs",
+            lambda n: stdlib_spawn_join(n, "forkserver"),
+            lambda path: stdlib_raise_seen(path, "forkserver"),
+        ),
     ]
     problem = common.torch_problem()  # imports torch once, outside the timings
     if problem is not None:
@@ -204,22 +229,44 @@ def medians(samples: dict) -> dict[str, dict[str, float]]:
     }
 
 
+COLUMNS = ("procspawn", "procspawn fs", "stdlib", "stdlib fs", "torch")
+
+
 def table(results: dict[str, dict[str, float]]) -> str:
     headers = [
         "case",
-        "procspawn ms",
-        "stdlib ms",
-        "torch ms",
+        *(f"{name} ms" for name in COLUMNS),
         "procspawn/stdlib",
+        "procspawn fs/stdlib",
+        "procspawn fs/stdlib fs",
         "procspawn/torch",
     ]
     rows = []
     for case, by_method in results.items():
-        times = [by_method.get(name) for name in ("procspawn", "stdlib", "torch")]
-        cells = ["-" if ms is None else f"{ms:.1f}" for ms in times]
-        ratios = [common.ratio(times[0], times[1]), common.ratio(times[0], times[2])]
+        t = {name: by_method.get(name) for name in COLUMNS}
+        cells = ["-" if t[name] is None else f"{t[name]:.1f}" for name in COLUMNS]
+        ratios = [
+            common.ratio(t["procspawn"], t["stdlib"]),
+            common.ratio(t["procspawn fs"], t["stdlib"]),
+            common.ratio(t["procspawn fs"], t["stdlib fs"]),
+            common.ratio(t["procspawn"], t["torch"]),
+        ]
         rows.append([case, *cells, *ratios])
     return common.markdown_table(headers, rows)
+
+
+def goals(results: dict[str, dict[str, float]]) -> list[str]:
+    eight = results.get("spawn+join 8 ranks")
+    if not eight:
+        return []
+    fast = eight["procspawn fs"] / eight["stdlib"]
+    default = eight["procspawn"] / eight["stdlib"]
+    return [
+        f"goal: procspawn forkserver 8 ranks <= 0.15x stdlib spawn loop: {fast:.3g}x "
+        f"({'met' if fast <= 0.15 else 'NOT met'})",
+        f"goal: procspawn spawn 8 ranks <= 1.1x stdlib spawn loop: {default:.3g}x "
+        f"({'met' if default <= 1.1 else 'NOT met'})",
+    ]
 
 
 def parse_args() -> argparse.Namespace:
@@ -235,16 +282,28 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     ranks = QUICK_RANKS if args.quick else RANKS
     methods, note = available_methods()
+    server_ms = procspawn_server_start_ms()
     samples = measure(methods, ranks, repeats)
     results = medians(samples)
-    print(f"## spawn benchmark (start_method='spawn', median of {repeats}, milliseconds)\n")
+    print(f"## spawn benchmark (median of {repeats}, milliseconds)\n")
     print(table(results))
+    print(
+        f"\nfirst procspawn forkserver spawn of 1 rank, server start included: {server_ms:.0f} ms"
+    )
+    for line in goals(results):
+        print(line)
     if note:
         print(f"\nnote: {note}")
     if args.json:
         common.write_json(
             args.json,
-            {"repeats": repeats, "note": note, "median_ms": results, "samples_ms": samples},
+            {
+                "repeats": repeats,
+                "note": note,
+                "server_start_ms": server_ms,
+                "median_ms": results,
+                "samples_ms": samples,
+            },
         )
 
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
         spawn,
         start_processes,
     )
+    from .context._forkserver import set_forkserver_preload
     from .context._mp import Process, get_context
     from .sharing import (
         get_all_sharing_strategies,
@@ -47,6 +48,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ProcessTimeoutError": (".context", "ProcessTimeoutError"),
     "Progress": (".context", "Progress"),
     "progress": (".context._progress", "progress"),
+    "set_forkserver_preload": (".context._forkserver", "set_forkserver_preload"),
     "spawn": (".context", "spawn"),
     "start_processes": (".context", "start_processes"),
     "Process": (".context._mp", "Process"),
@@ -77,6 +79,7 @@ __all__ = [
     "get_context",
     "get_sharing_strategy",
     "progress",
+    "set_forkserver_preload",
     "set_sharing_strategy",
     "sharing",
     "spawn",

@@ -90,6 +90,9 @@ def _session_setup():
 
     forkserver.ensure_running()
     resource_tracker.ensure_running()
+    from procspawn.context import _forkserver
+
+    _forkserver.ensure_running()  # procspawn's own fork server, alive until we exit
     procspawn.get_sharing_strategy()
     from procspawn.sharing import _manager
 

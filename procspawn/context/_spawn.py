@@ -30,6 +30,7 @@ from .._output import OutputForwarder
 from ..sharing import _pickler
 from ..sharing._startup import StartupMessage
 from . import _worker
+from ._forkserver import RankForkServerProcess
 from ._popen import RankSpawnProcess, RedirectFds
 from ._process_context import ProcessContext
 from ._progress import as_progress
@@ -257,6 +258,14 @@ def _start_rank(
             proc = RankSpawnProcess(target=_worker.main, args=worker_args, name=name)
             proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
             proc._procspawn_env = _worker.rank_environment(rank, nprocs)  # type: ignore[attr-defined]
+        elif start_method == "forkserver":
+            # procspawn's server (NumPy & co. imported once); it forked with the environment
+            # of its own start, so the rank takes this process' environment of now
+            proc = RankForkServerProcess(
+                target=_worker.main,
+                args=(*worker_args, RedirectFds(redirect), dict(os.environ)),
+                name=name,
+            )
         else:
             mp_context = multiprocessing.get_context(start_method)
             proc = mp_context.Process(  # type: ignore[attr-defined]

@@ -27,10 +27,14 @@ def main(
     parent_pid: int,
     use_death_signal: bool,
     redirect: Any = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """Entry point of every rank (the ``multiprocessing.Process`` target)."""
     if redirect is not None:
         redirect.apply()  # fork, forkserver: output to the parent's pipes from here on
+    if environ is not None:  # forkserver: the parent's environment, not the server's
+        os.environ.clear()
+        os.environ.update(environ)
     channel.settimeout(None)  # blocking, whatever socket.setdefaulttimeout() says
     if use_death_signal:
         _posix.set_parent_death_signal()

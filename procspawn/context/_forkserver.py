@@ -1,0 +1,104 @@
+"""procspawn's fork server: ranks start as a fork of a process that has imported everything.
+
+Under ``spawn`` every rank is a new interpreter that imports NumPy, cloudpickle and
+procspawn before it runs a line of ``fn``: most of a trivial rank's start-up. The stdlib's
+fork server imports only the main module. ``spawn(..., start_method="forkserver")`` uses a
+fork server of procspawn's own instead: started once per program, at its first use, with
+NumPy, cloudpickle and the modules a rank runs already imported (plus whatever the user
+names with ``set_forkserver_preload``), and reused by every later ``spawn``. A rank then
+costs a fork and its own work.
+
+It is the stdlib's fork server program (``multiprocessing.forkserver.main``), run as a
+second instance: the same protocol, the same guarantees (single-threaded, so a threaded
+parent forks nothing of its threads; it exits when the program does), and
+``multiprocessing``'s own Process objects on our side, so ranks are joined, watched and
+stopped exactly as under the other start methods. What differs is the preload list, and
+that a rank gets the parent's environment of the moment it starts (the server's is that
+of the moment the server started).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import threading
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing.context import ForkServerProcess, set_spawning_popen
+from typing import Any
+
+# What a rank imports to run: loaded once, in the server.
+PRELOAD = [
+    "numpy",
+    "cloudpickle",
+    "procspawn.context._worker",
+    "procspawn.context._progress",
+    "procspawn.sharing._startup",
+    "procspawn.sharing._reductions",
+    "procspawn.sharing._arrays",
+    "procspawn.sharing._file_descriptor",
+    "procspawn.sharing._file_system",
+]
+
+_lock = threading.Lock()
+_server = forkserver.ForkServer()
+_user_preload: list[str] = []
+
+
+def set_forkserver_preload(modules: list[str]) -> None:
+    """Import ``modules`` in the fork servers once, so ranks do not: procspawn's (used by
+    ``spawn(..., start_method="forkserver")``, on top of NumPy, cloudpickle and procspawn)
+    and the stdlib's (``multiprocessing.set_forkserver_preload``, for the drop-in
+    ``get_context("forkserver")``). Takes effect when a server starts: call it before the
+    first forkserver start. A module that fails to import there is skipped (the ranks
+    import it themselves)."""
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise TypeError(f"set_forkserver_preload takes a list of module names, got {modules!r}")
+    with _lock:
+        _user_preload[:] = list(modules)
+    multiprocessing.set_forkserver_preload(list(modules))
+
+
+def ensure_running() -> None:
+    """Start the server now (it starts by itself at the first forkserver spawn)."""
+    with _lock:
+        _server.set_forkserver_preload(PRELOAD + [m for m in _user_preload if m not in PRELOAD])
+    _server.ensure_running()
+
+
+class _Popen(popen_forkserver.Popen):
+    """The stdlib's forkserver Popen, talking to procspawn's server."""
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        main_path = prep_data.get("init_main_from_path")
+        if main_path is not None and not os.path.isfile(main_path):
+            del prep_data["init_main_from_path"]  # "<stdin>", "-c": nothing to re-import
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        ensure_running()
+        passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
+        self.sentinel, w = _server.connect_to_new_process(passed)
+        # a duplicate of the data pipe's write end: the child's sentinel of this process
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(
+            self,
+            util.close_fds,  # type: ignore[attr-defined]
+            (parent_w, self.sentinel),
+        )
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class RankForkServerProcess(ForkServerProcess):
+    """A forkserver-method Process started by procspawn's fork server."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _Popen(process_obj)

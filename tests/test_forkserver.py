@@ -1,0 +1,93 @@
+"""procspawn's fork server: started once, reused, preloaded, the parent's environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from _helpers import ROOT, run_script, script_env
+
+import procspawn as mp
+
+
+def _parent_pid(rank):
+    return os.getppid()
+
+
+def _read_env(rank, name):
+    return os.environ.get(name), os.environ.get("RANK")
+
+
+def test_one_server_serves_every_spawn():
+    first = mp.spawn(_parent_pid, nprocs=2, start_method="forkserver")
+    second = mp.spawn(_parent_pid, nprocs=2, start_method="forkserver")
+    assert len(set(first + second)) == 1  # the same server forked all four
+    assert first[0] != os.getpid()
+
+
+def test_ranks_get_the_parent_environment_of_now(monkeypatch):
+    mp.spawn(_parent_pid, nprocs=1, start_method="forkserver")  # the server runs already
+    monkeypatch.setenv("PROCSPAWN_TEST_LATE_VARIABLE", "set after the server started")
+    out = mp.spawn(
+        _read_env, args=("PROCSPAWN_TEST_LATE_VARIABLE",), nprocs=2, start_method="forkserver"
+    )
+    assert out == [("set after the server started", "0"), ("set after the server started", "1")]
+
+
+def test_set_forkserver_preload_checks_its_argument():
+    with pytest.raises(TypeError, match="list of module names"):
+        mp.set_forkserver_preload("numpy")
+
+
+@pytest.mark.timeout(90)
+def test_preloaded_modules_are_imported_once_in_the_server():
+    code = textwrap.dedent(
+        """
+        import os
+        import procspawn
+
+        def where(rank):
+            import _preload_marker
+            return _preload_marker.IMPORTED_IN, os.getppid(), os.getpid()
+
+        if __name__ == "__main__":
+            procspawn.set_forkserver_preload(["_preload_marker"])
+            for imported_in, server, me in procspawn.spawn(where, nprocs=2,
+                                                            start_method="forkserver"):
+                assert imported_in == server != me, (imported_in, server, me)
+            print("ok")
+        """
+    )
+    env = {"PYTHONPATH": os.path.join(ROOT, "tests") + os.pathsep + ROOT}
+    result = run_script(code, timeout=80, env_extra=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.timeout(90)
+def test_a_script_on_stdin_runs_under_forkserver():
+    code = textwrap.dedent(
+        """
+        import procspawn
+
+        def f(rank):
+            return rank + 40
+
+        if __name__ == "__main__":
+            print(procspawn.spawn(f, nprocs=2, start_method="forkserver"))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=script_env(),
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[40, 41]"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import array
 import gc
 import multiprocessing
+import os
 import socket
+import struct
 import threading
 import weakref
 
@@ -135,6 +137,113 @@ def test_a_started_process_lets_go_of_its_target(start_method):
     gc.collect()
     assert wr() is None
     assert q.get(timeout=30) == 5
+    assert p.exitcode == 0
+    q.close()
+    q.join_thread()
+
+
+# -- issue 10: method by method against the stdlib ---------------------------------------
+
+
+@pytest.mark.parametrize("lib", [multiprocessing, mp], ids=["stdlib", "procspawn"])
+def test_recv_bytes_checks_the_end_before_maxlength(lib):
+    # a closed or write-only end is refused before the maxlength is looked at
+    a, b = lib.Pipe(duplex=False)
+    with a, b:
+        with pytest.raises(OSError, match="connection is write-only"):
+            b.recv_bytes(-1)
+        a.close()
+        with pytest.raises(OSError, match="handle is closed"):
+            a.recv_bytes(-1)
+
+
+@pytest.mark.parametrize("lib", [multiprocessing, mp], ids=["stdlib", "procspawn"])
+def test_a_message_over_maxlength_leaves_the_end_unreadable(lib):
+    a, b = lib.Pipe()
+    with a, b:
+        a.send_bytes(b"hello")
+        with pytest.raises(OSError, match="bad message length"):
+            b.recv_bytes(4)
+        assert (b.closed, b.readable, b.writable) == (False, False, True)
+        with pytest.raises(OSError, match="connection is write-only"):
+            b.poll()
+        b.send("still writable")
+        assert a.recv() == "still writable"
+    reader, writer = lib.Pipe(duplex=False)
+    with reader, writer:
+        writer.send_bytes(b"hello")
+        with pytest.raises(OSError, match="bad message length"):
+            reader.recv_bytes(4)
+        assert reader.closed  # a read-only end has nothing left: it is closed
+
+
+@pytest.mark.parametrize("lib", [multiprocessing, mp], ids=["stdlib", "procspawn"])
+def test_end_of_file_in_the_middle_of_a_message_is_an_oserror(lib):
+    # a writer that died mid-message: OSError, not the EOFError of a clean end
+    a, b = lib.Pipe()
+    with a, b:
+        if lib is mp:
+            a._sock.sendall(struct.pack("<4sQI", b"PSPN", 100, 0) + b"xx")
+        else:
+            os.write(a.fileno(), struct.pack("!i", 100) + b"xx")
+        a.close()
+        with pytest.raises(OSError, match="got end of file during message"):
+            b.recv()
+    c, d = lib.Pipe()
+    with c, d:
+        c.close()
+        with pytest.raises(EOFError):
+            d.recv()
+
+
+def test_a_connection_has_the_stdlib_public_names(pipe):
+    a, _ = pipe
+    c, d = multiprocessing.Pipe()
+    with c, d:
+        assert {n for n in dir(a) if not n.startswith("_")} == {
+            n for n in dir(c) if not n.startswith("_")
+        }
+
+
+def test_simple_queue_is_generic_as_the_stdlib_one():
+    from multiprocessing.queues import SimpleQueue as StdSimpleQueue
+
+    from procspawn.sharing._queues import SimpleQueue
+
+    assert SimpleQueue[int].__origin__ is SimpleQueue
+    assert StdSimpleQueue[int].__origin__ is StdSimpleQueue
+
+
+def _run_reads_args(self):
+    # run() of a subclass that reads multiprocessing's private _args and _kwargs, as
+    # some code does
+    q, arr = self._args
+    q.put((type(arr).__name__, sum(arr), self._kwargs))
+
+
+# one such subclass per library and start method, at module level so a child finds it
+_RUN_READS_ARGS = {}
+for _lib in (multiprocessing, mp):
+    for _method in multiprocessing.get_all_start_methods():
+        _name = f"_RunReadsArgs_{_lib.__name__}_{_method}"
+        _RUN_READS_ARGS[_lib, _method] = globals()[_name] = type(
+            _name, (_lib.get_context(_method).Process,), {"run": _run_reads_args}
+        )
+
+
+@pytest.mark.parametrize("lib", [multiprocessing, mp], ids=["stdlib", "procspawn"])
+def test_process_keeps_target_args_and_kwargs_as_the_stdlib_does(lib, start_method):
+    ctx = lib.get_context(start_method)
+    p = ctx.Process(target=_DummyCallable, args=[1, 2], kwargs={"k": 3})
+    assert (p._target, p._args, p._kwargs) == (_DummyCallable, (1, 2), {"k": 3})
+    with pytest.raises(TypeError):  # kwargs must be a mapping: None is refused
+        ctx.Process(target=_DummyCallable, kwargs=None)
+    # a subclass that overrides run() sees the same _args and _kwargs in the child
+    q = ctx.Queue()
+    p = _RUN_READS_ARGS[lib, start_method](args=(q, array.array("d", [1.0, 2.0])), kwargs={"k": 3})
+    p.start()
+    assert q.get(timeout=30) == ("array", 3.0, {"k": 3})
+    p.join(30)
     assert p.exitcode == 0
     q.close()
     q.join_thread()

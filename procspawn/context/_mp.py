@@ -50,49 +50,66 @@ class _Call:
         self.sent = []
 
 
-def _run(call: Any) -> Any:
-    if isinstance(call, _Call):  # fork: the child inherited the call itself
-        return call.target(*call.args, **call.kwargs)
-    strategy, target, args, kwargs = call.load()
+def _load(received: Any) -> tuple[Any, Any, Any]:
+    """The target, args and kwargs a started child received (see ``_Call``)."""
+    strategy, target, args, kwargs = received.load()
     _strategy.restore(strategy)
+    return target, args, kwargs
+
+
+def _run(received: Any) -> Any:
+    """The target a Process is pickled with; ``__setstate__`` puts the real one back, so
+    this only runs for a subclass that unpickles itself with its own ``__setstate__``."""
+    target, args, kwargs = _load(received)
     return target(*args, **kwargs)
 
 
 class _ProcessMixin:
-    """Routes target and arguments through procspawn's pickler."""
+    """Routes target and arguments through procspawn's pickler.
+
+    The Process keeps multiprocessing's ``_target``, ``_args`` and ``_kwargs`` as they
+    are; only the pickle made while it starts (spawn, forkserver) carries them as a
+    procspawn message, and the child puts them back as it unpickles the Process, as the
+    stdlib's child does. Under fork nothing is pickled: the child inherits them.
+    """
 
     _target: Any
     _args: Any
     _kwargs: Any
-
-    def __init__(
-        self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None
-    ) -> None:
-        super().__init__(group, target, name, args, kwargs or {}, daemon=daemon)  # type: ignore[call-arg]
-        self._procspawn_call = None
-        if target is not None:
-            call = _Call(target, tuple(args), dict(kwargs or {}))
-            self._procspawn_call = call
-            self._target, self._args, self._kwargs = _run, (call,), {}
+    _procspawn_calls: list[_Call]
 
     def start(self) -> None:
-        call = self._procspawn_call
+        calls: list[_Call] = []
+        self._procspawn_calls = calls  # filled by __getstate__ if the process is pickled
         try:
             super().start()  # type: ignore[misc]
         except BaseException:
-            if call is not None:
+            for call in calls:
                 call.close(started=False)
             raise
-        if call is not None:
-            call.close()
-            # as the stdlib's start() does: the target and its arguments can be collected
-            self._procspawn_call = None
-            call.target = call.args = call.kwargs = None
+        else:
+            for call in calls:
+                call.close()
+        finally:
+            del self._procspawn_calls
+            for call in calls:
+                # as the stdlib's start() does: the target and its arguments can be collected
+                call.target = call.args = call.kwargs = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_procspawn_call"] = None
+        calls = state.pop("_procspawn_calls", None)
+        # a falsy target is not run (BaseProcess.run), so it is not wrapped either
+        if calls is not None and state.get("_target"):
+            call = _Call(state["_target"], state["_args"], state["_kwargs"])
+            calls.append(call)
+            state["_target"], state["_args"], state["_kwargs"] = _run, (call,), {}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if state.get("_target") is _run:
+            self._target, self._args, self._kwargs = _load(state["_args"][0])
 
 
 class Process(_ProcessMixin, mpc.Process):

@@ -15,7 +15,14 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from . import _message, _pickler
-from ._fdpass import MessageReader, recv_message, send_message, send_rest, try_send_message
+from ._fdpass import (
+    ChannelClosed,
+    MessageReader,
+    recv_message,
+    send_message,
+    send_rest,
+    try_send_message,
+)
 
 
 class Connection:
@@ -89,29 +96,40 @@ class Connection:
 
     def recv(self) -> Any:
         """Receive an object sent with ``send`` (blocks). EOFError when the other end closed."""
-        self._check(reading=True)
-        data, fds = recv_message(self._reader)
+        data, fds = self._recv_message()
         return _pickler.loads(data, fds)
 
-    def send_message(self, message: _message.Message) -> None:
+    # -- raw messages (procspawn's queues; not part of multiprocessing's interface) ----
+
+    def _send_message(self, message: _message.Message) -> None:
         """Send an already pickled message (the caller closes it)."""
         send_message(self._check(writing=True), message.data, message.fds)
 
-    def try_send_message(self, message: _message.Message) -> int:
+    def _try_send_message(self, message: _message.Message) -> int:
         """Send without blocking; how many bytes went (see ``_fdpass.try_send_message``)."""
         return try_send_message(self._check(writing=True), message.data, message.fds)
 
-    def send_rest(self, message: _message.Message, sent: int) -> None:
-        """Finish (blocking) a message ``try_send_message`` sent ``sent`` bytes of."""
+    def _send_rest(self, message: _message.Message, sent: int) -> None:
+        """Finish (blocking) a message ``_try_send_message`` sent ``sent`` bytes of."""
         send_rest(self._check(writing=True), message.data, len(message.fds), sent)
 
-    def recv_message(self, deadline: float | None = None) -> tuple[bytes, list[int]]:
+    def _recv_message(self, deadline: float | None = None) -> tuple[bytes, list[int]]:
         """Receive one raw message: (pickle bytes, descriptors owned by the caller).
 
-        TimeoutError if ``deadline`` (``time.monotonic()``) passes first.
+        Raises:
+            TimeoutError: ``deadline`` (``time.monotonic()``) passed first.
+            EOFError: the other end closed and nothing is left to receive.
+            OSError: the other end closed in the middle of a message (as the stdlib's
+                "got end of file during message").
         """
+        reader = self._reader
         self._check(reading=True)
-        return recv_message(self._reader, deadline)
+        try:
+            return recv_message(reader, deadline)
+        except ChannelClosed:
+            if reader._part != "header" or reader._pos:  # a message was cut short
+                raise OSError("got end of file during message") from None
+            raise
 
     # -- bytes -------------------------------------------------------------------------
 
@@ -143,13 +161,21 @@ class Connection:
 
         Raises:
             ValueError: ``maxlength`` is negative.
-            OSError: the message is longer than ``maxlength``.
+            OSError: the message is longer than ``maxlength``; as with the stdlib, this end
+                is no longer readable then (a read-only end is closed).
             EOFError: the other end closed and nothing is left to receive.
         """
+        self._check(reading=True)
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
         data = self._recv_raw()
         if maxlength is not None and len(data) > maxlength:
+            # the message was read whole, but multiprocessing's stream is out of step
+            # here and code written for it expects this end unusable for reading
+            if self._writable:
+                self._readable = False
+            else:
+                self.close()
             raise OSError("bad message length")
         return bytes(data)
 
@@ -180,7 +206,7 @@ class Connection:
             return size
 
     def _recv_raw(self) -> bytes | bytearray:
-        data, fds = self.recv_message()
+        data, fds = self._recv_message()
         for fd in fds:  # a message of objects read as bytes: its descriptors are not ours
             os.close(fd)
         return data

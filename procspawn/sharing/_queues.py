@@ -13,6 +13,7 @@ import collections
 import os
 import threading
 import time
+import types
 import weakref
 from multiprocessing import context as mp_context
 from multiprocessing.synchronize import SEM_VALUE_MAX  # type: ignore[attr-defined]
@@ -112,7 +113,7 @@ class Queue:
             if self._pending[0] or not self._wlock.acquire(False):
                 return False
             try:
-                sent = self._writer.try_send_message(message)
+                sent = self._writer._try_send_message(message)
             except OSError:
                 self._wlock.release()
                 message.abandon()  # the reading end is gone: nobody will get it
@@ -161,7 +162,7 @@ class Queue:
         (FdLimitError consumes the whole message). TimeoutError once ``deadline`` passed,
         even mid-message: a writer killed mid-send must not hang every reader."""
         try:
-            message = self._reader.recv_message(deadline)
+            message = self._reader._recv_message(deadline)
         except FdLimitError:
             self._sem.release()
             raise
@@ -267,7 +268,7 @@ class Queue:
                 if type(item) is _Rest:
                     message = item.message
                     try:
-                        writer.send_rest(message, item.sent)
+                        writer._send_rest(message, item.sent)
                     except OSError:
                         message.abandon()
                     else:
@@ -277,7 +278,7 @@ class Queue:
                 else:
                     try:
                         with wlock:
-                            writer.send_message(item)
+                            writer._send_message(item)
                     except OSError:
                         item.abandon()  # the reading end is gone: nobody will get it
                     else:
@@ -345,18 +346,21 @@ class SimpleQueue:
 
     def get(self) -> Any:
         with self._rlock:
-            data, fds = self._reader.recv_message()
+            data, fds = self._reader._recv_message()
         return _pickler.loads(data, fds)
 
     def put(self, obj: Any) -> None:
         message = _pickler.dumps(obj)
         try:
             with self._wlock:
-                self._writer.send_message(message)
+                self._writer._send_message(message)
         except BaseException:
             message.abandon()
             raise
         message.close()
+
+    def __class_getitem__(cls, item: Any) -> types.GenericAlias:  # as the stdlib's
+        return types.GenericAlias(cls, item)
 
 
 _pickler.defer_at_start(Queue, SimpleQueue)

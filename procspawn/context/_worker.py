@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import sys
-import traceback
 from typing import Any
 
 from ..sharing import _pickler
@@ -114,6 +113,8 @@ def _apply_config(config: dict[str, Any], rank: int) -> None:
 
 
 def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:
+    import traceback  # on failure only: a rank that succeeds does not pay for it
+
     text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         import cloudpickle

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 from typing import Any
 
 from .. import _log
@@ -111,7 +110,7 @@ class FileSystemStrategy(SharingStrategy):
     """Named /dev/shm segments that list their holders; messages carry a descriptor."""
 
     def allocate(self, nbytes: int) -> Segment:
-        name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+        name = f"{PREFIX}{os.getpid()}_{os.urandom(8).hex()}"
         _manager.register(name)
         try:
             fd = os.open(

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -52,7 +50,7 @@ def tree_address() -> str:
     starts until one is needed)."""
     global _address
     if _address is None:
-        _address = f"procspawn-{os.getuid()}-{secrets.token_hex(8)}"
+        _address = f"procspawn-{os.getuid()}-{os.urandom(8).hex()}"
     return _address
 
 
@@ -96,6 +94,8 @@ def _start_daemon(address: str) -> socket.socket | None:
         if conn is None:
             raise OSError(f"cannot connect to the new cleanup daemon at @{address}")
         try:
+            import subprocess  # here: a rank that never starts a daemon does not pay for it
+
             proc = subprocess.Popen(
                 [
                     sys.executable,

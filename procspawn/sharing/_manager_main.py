@@ -35,7 +35,6 @@ next daemon of this user sweeps at start-up (``sweep``), and so does ``procspawn
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import os
 import re
@@ -638,6 +637,8 @@ def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse  # the daemon's command line only: clients import this module too
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fd", type=int, required=True, help="the listening socket")
     parser.add_argument("--grace", type=float, default=GRACE)

@@ -294,6 +294,11 @@ def main() -> None:
         print(line)
     if note:
         print(f"\nnote: {note}")
+    if sys.flags.dont_write_bytecode:
+        print(
+            "\nnote: PYTHONDONTWRITEBYTECODE is set: every rank compiles procspawn's modules "
+            "and the main module from source (most users have a bytecode cache)"
+        )
     if args.json:
         common.write_json(
             args.json,

@@ -227,7 +227,9 @@ def run(directory: str, n_items: int) -> None:
     print("1. sharing.zeros: 1 segment mapped from the directory, no name left in it")
 
     # 2. spawn: ranks write into it, and their own results come back through the strategy.
-    results = mp.spawn(rank_fn, args=(shared, world), nprocs=world)
+    # "spawn": each rank is a fresh process, so what it maps is what it received (under
+    # "fork" a rank also inherits the parent's mappings, and the count below would say so)
+    results = mp.spawn(rank_fn, args=(shared, world), nprocs=world, start_method="spawn")
     expected = np.tile(np.arange(1, world + 1, dtype=np.float64), len(shared) // world)
     assert np.array_equal(shared, expected), "a rank's writes are not visible"
     for rank, (strategy, mapped, result) in enumerate(results):

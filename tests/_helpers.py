@@ -131,6 +131,19 @@ def run_script(
     )
 
 
+def run_stdin_script(code: str, timeout: float = 80) -> subprocess.CompletedProcess:
+    """Run ``code`` fed on stdin (``python -``), as a user piping a script would."""
+    return subprocess.run(
+        [sys.executable, "-"],
+        input=code,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=script_env(),
+        cwd=ROOT,
+    )
+
+
 def make_array(kind: str) -> np.ndarray:
     """Arrays of every dtype and layout the sharing path must bring back exactly."""
     rng = np.random.default_rng(0)

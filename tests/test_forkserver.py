@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-from _helpers import ROOT, run_script, script_env
+from _helpers import ROOT, run_script, run_stdin_script
 
 import procspawn as mp
 
@@ -80,14 +78,6 @@ def test_a_script_on_stdin_runs_under_forkserver():
             print(procspawn.spawn(f, nprocs=2, start_method="forkserver"))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-"],
-        input=code,
-        capture_output=True,
-        text=True,
-        timeout=80,
-        env=script_env(),
-        cwd=ROOT,
-    )
+    result = run_stdin_script(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[40, 41]"

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import ROOT, run_script, script_env
+from _helpers import run_script, run_stdin_script, script_env
 from _usability_workers import (
     count_steps,
     quick_or_fail,
@@ -203,15 +203,7 @@ def test_script_on_stdin_runs():
             print(procspawn.spawn(f, nprocs=2))
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-"],
-        input=code,
-        capture_output=True,
-        text=True,
-        timeout=80,
-        env=script_env(),
-        cwd=ROOT,
-    )
+    result = run_stdin_script(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[0, 7]"
 

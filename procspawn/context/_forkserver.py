@@ -19,13 +19,14 @@ of the moment the server started).
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import os
 import threading
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
-from multiprocessing.context import ForkServerProcess, set_spawning_popen
+from multiprocessing import forkserver, popen_forkserver, util
+from multiprocessing.context import ForkServerProcess
 from typing import Any
+
+from ._popen import pickle_for_child
 
 # What a rank imports to run: loaded once, in the server.
 PRELOAD = [
@@ -70,17 +71,7 @@ class _Popen(popen_forkserver.Popen):
     """The stdlib's forkserver Popen, talking to procspawn's server."""
 
     def _launch(self, process_obj: Any) -> None:
-        prep_data = spawn.get_preparation_data(process_obj._name)
-        main_path = prep_data.get("init_main_from_path")
-        if main_path is not None and not os.path.isfile(main_path):
-            del prep_data["init_main_from_path"]  # "<stdin>", "-c": nothing to re-import
-        buf = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, buf)
-            reduction.dump(process_obj, buf)
-        finally:
-            set_spawning_popen(None)
+        buf = pickle_for_child(self, process_obj)
         ensure_running()
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
         self.sentinel, w = _server.connect_to_new_process(passed)

@@ -55,6 +55,24 @@ def _rebuild(dup_fds: dict[int, Any]) -> RedirectFds:
     return RedirectFds({target: dup.detach() for target, dup in dup_fds.items()})
 
 
+def pickle_for_child(popen: Any, process_obj: Any) -> io.BytesIO:
+    """What a spawn or forkserver child reads first: the preparation data (without a main
+    path that is not a file: "<stdin>", "-c" have nothing to re-import) and the Process,
+    pickled while ``popen`` is the spawning popen (so descriptors go as ``DupFd``)."""
+    prep_data = spawn.get_preparation_data(process_obj._name)
+    main_path = prep_data.get("init_main_from_path")
+    if main_path is not None and not os.path.isfile(main_path):
+        del prep_data["init_main_from_path"]
+    buf = io.BytesIO()
+    set_spawning_popen(popen)
+    try:
+        reduction.dump(prep_data, buf)
+        reduction.dump(process_obj, buf)
+    finally:
+        set_spawning_popen(None)
+    return buf
+
+
 class _SpawnPopen(popen_spawn_posix.Popen):
     """The stdlib's spawn Popen, with the child's output redirected before it runs."""
 
@@ -66,17 +84,7 @@ class _SpawnPopen(popen_spawn_posix.Popen):
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
         tracker_fd: Any = resource_tracker.getfd()
         passed.append(tracker_fd)
-        prep_data = spawn.get_preparation_data(process_obj._name)
-        main_path = prep_data.get("init_main_from_path")
-        if main_path is not None and not os.path.isfile(main_path):
-            del prep_data["init_main_from_path"]  # "<stdin>", "-c": nothing to re-import
-        fp = io.BytesIO()
-        set_spawning_popen(self)
-        try:
-            reduction.dump(prep_data, fp)
-            reduction.dump(process_obj, fp)
-        finally:
-            set_spawning_popen(None)
+        fp = pickle_for_child(self, process_obj)
 
         parent_r = child_w = child_r = parent_w = None
         try:

@@ -81,3 +81,32 @@ def test_a_script_on_stdin_runs_under_forkserver():
     result = run_stdin_script(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[40, 41]"
+
+
+def _sleep_long(rank):
+    import time
+
+    time.sleep(60)
+
+
+def test_a_rank_that_cannot_start_stops_those_started_in_parallel(monkeypatch):
+    from procspawn.context import _spawn
+
+    real = _spawn._start_rank
+
+    def failing(rank, *args):
+        if rank == 5:
+            raise OSError("cannot start rank 5 (made up by the test)")
+        return real(rank, *args)
+
+    monkeypatch.setattr(_spawn, "_start_rank", failing)
+    with pytest.raises(OSError, match="cannot start rank 5"):
+        mp.spawn(_sleep_long, nprocs=8, start_method="forkserver")
+    # the ranks that had started were stopped and reaped: the leak check finds no child,
+    # no descriptor and no segment left
+
+
+def test_parallel_start_gives_results_by_rank():
+    assert mp.spawn(_parent_pid, nprocs=1, start_method="forkserver")  # server warm
+    out = mp.spawn(_read_env, args=("PATH",), nprocs=9, start_method="forkserver")
+    assert [rank for _, rank in out] == [str(r) for r in range(9)]

@@ -206,25 +206,71 @@ def start_processes(
         config["progress"] = shown._allocate(nprocs)
     payload = _pickle_payload(fn, args, kwargs, config)
     output = OutputForwarder(prefix=prefix_output)
-    processes: list[BaseProcess] = []
-    channels: list[socket.socket] = []
-    try:
-        for rank in range(nprocs):
-            processes.append(
-                _start_rank(rank, nprocs, payload, start_method, daemon, output, channels)
-            )
-    except BaseException:
-        context = ProcessContext(processes, channels[: len(processes)], payload, output=output)
-        context._stop_all(0.0)
-        for sock in channels[len(processes) :]:
-            sock.close()
-        raise
+    processes, channels = _start_all(nprocs, payload, start_method, daemon, output)
     context = ProcessContext(
         processes, channels, payload, output=output, progress=shown, grace_period=grace_period
     )
     if not join:
         return context
     return context._run_to_end(timeout)
+
+
+# Under forkserver the parent's share of a rank's start (pickling, connecting, waiting for
+# the server's fork) overlaps with another rank's when two threads start ranks. Not under
+# fork (a child would inherit the other thread's half-made pipes) nor spawn (the parent's
+# share is small next to a new interpreter's).
+_STARTER_THREADS = {"forkserver": 2}
+
+
+def _start_all(
+    nprocs: int, payload: StartupMessage, start_method: str, daemon: bool, output: OutputForwarder
+) -> tuple[list[BaseProcess], list[socket.socket]]:
+    """Start every rank; if one cannot start, stop those that did and raise."""
+    procs: list[BaseProcess | None] = [None] * nprocs
+    socks: list[socket.socket | None] = [None] * nprocs
+    errors: list[BaseException] = []
+
+    def start(ranks: range) -> None:
+        for rank in ranks:
+            if errors:
+                return
+            made: list[socket.socket] = []
+            try:
+                procs[rank] = _start_rank(rank, nprocs, payload, start_method, daemon, output, made)
+            except BaseException as exc:
+                errors.append(exc)
+            finally:
+                socks[rank] = made[0] if made else None
+
+    workers = min(_STARTER_THREADS.get(start_method, 1), nprocs)
+    helpers = [
+        threading.Thread(target=start, args=(range(i, nprocs, workers),), daemon=True)
+        for i in range(1, workers)
+    ]
+    try:
+        for thread in helpers:
+            thread.start()
+        start(range(0, nprocs, workers))
+    except BaseException as exc:  # Ctrl-C while starting
+        errors.append(exc)
+    finally:
+        for thread in helpers:
+            thread.join()
+    if errors:
+        started = [r for r in range(nprocs) if procs[r] is not None]
+        context = ProcessContext(
+            [procs[r] for r in started],  # type: ignore[misc]
+            [socks[r] for r in started],  # type: ignore[misc]
+            payload,
+            output=output,
+        )
+        context._stop_all(0.0)
+        for r in range(nprocs):
+            sock = socks[r]
+            if procs[r] is None and sock is not None:
+                sock.close()
+        raise errors[0]
+    return procs, socks  # type: ignore[return-value]
 
 
 def _start_rank(

@@ -24,9 +24,10 @@ level   modules
 ======  ==========================================================================
 0       ``_limits`` (errors, fd limit, reserving space), ``_message`` (a message's
         descriptors, per thread), ``_registry`` (reducer table, plug-ins as data),
-        ``_manager_main`` (the daemon: names, counts, sweeping; stdlib only)
+        ``_manager_main`` (the daemon: names, counts, sweeping; stdlib only),
+        ``_tree`` (the process tree's daemon address)
 1       ``_segment`` (a mapping and its release), ``_mapcache`` (one Segment per key
-        per process, weakly), ``_manager`` (the daemon's client, the tree address),
+        per process, weakly), ``_manager`` (the daemon's client),
         ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS)
 2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``
 3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout)

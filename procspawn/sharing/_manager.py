@@ -29,7 +29,8 @@ import threading
 import time
 
 from .. import _log
-from . import _manager_main
+from . import _manager_main, _tree
+from ._tree import tree_address
 
 RECORD = _manager_main.RECORD
 _SEND_TIMEOUT = 10.0
@@ -41,27 +42,6 @@ _conn: socket.socket | None = None
 _registered: dict[str, int] = {}  # name -> how many Segments of this process hold it
 _PRUNE = 1024  # forget unmapped registered names when there are more than this
 _prune_at = _PRUNE
-_address: str | None = None
-
-
-def tree_address() -> str:
-    """The address of this process tree's cleanup daemon: handed over by the process that
-    started this one, or chosen here for this process and the ones it starts (no daemon
-    starts until one is needed)."""
-    global _address
-    if _address is None:
-        _address = f"procspawn-{os.getuid()}-{os.urandom(8).hex()}"
-    return _address
-
-
-def adopt_tree(address: str | None) -> None:
-    """Join the tree of the process that started this one (before any segment is mapped)."""
-    global _address
-    if address and address != _address:
-        with _lock:
-            if _conn is not None or _registered:
-                return  # joined a tree already; keep its daemon
-            _address = address
 
 
 def _record(op: bytes, name: str) -> bytes:
@@ -165,6 +145,7 @@ def _send(record: bytes) -> None:
             time.sleep(0.01)
             continue
         _conn = conn
+        _tree.joined = True
         _log.debug("connected to the cleanup daemon @%s", tree_address())
         threading.Thread(
             target=_watch, args=(conn,), name="procspawn-manager-watch", daemon=True
@@ -202,6 +183,7 @@ def register(name: str) -> None:
         held = _registered.get(name)
         if held is None:
             _registered[name] = 1
+            _tree.joined = True
             _send(_record(b"R", name))
         else:
             _registered[name] = held + 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _manager, _message, _pickler
+from . import _message, _pickler, _tree
 
 
 class StartupMessage:
@@ -27,7 +27,7 @@ class StartupMessage:
     def __init__(self, message: _message.Message, deferred: list[Any]) -> None:
         self.message = message
         self.deferred = deferred
-        self.tree = _manager.tree_address()
+        self.tree = _tree.tree_address()
 
     def __reduce__(self):
         from multiprocessing.reduction import DupFd
@@ -37,7 +37,7 @@ class StartupMessage:
 
     def load(self) -> Any:
         """Unpickle in the child (fork: the inherited object; loads gets duplicates)."""
-        _manager.adopt_tree(self.tree)
+        _tree.adopt_tree(self.tree)
         return _pickler.loads(
             self.message.data, [os.dup(fd) for fd in self.message.fds], self.deferred
         )
@@ -54,7 +54,7 @@ class _Received:
         self.tree = tree
 
     def load(self) -> Any:
-        _manager.adopt_tree(self.tree)
+        _tree.adopt_tree(self.tree)
         fds, self.fds = self.fds, []
         return _pickler.loads(self.data, fds, self.deferred)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import threading
 from multiprocessing import forkserver, popen_forkserver, util
 from multiprocessing.context import ForkServerProcess
 from typing import Any
@@ -41,9 +40,8 @@ PRELOAD = [
     "procspawn.sharing._file_system",
 ]
 
-_lock = threading.Lock()
 _server = forkserver.ForkServer()
-_user_preload: list[str] = []
+_server.set_forkserver_preload(PRELOAD)
 
 
 def set_forkserver_preload(modules: list[str]) -> None:
@@ -55,15 +53,12 @@ def set_forkserver_preload(modules: list[str]) -> None:
     import it themselves)."""
     if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
         raise TypeError(f"set_forkserver_preload takes a list of module names, got {modules!r}")
-    with _lock:
-        _user_preload[:] = list(modules)
+    _server.set_forkserver_preload(PRELOAD + [m for m in modules if m not in PRELOAD])
     multiprocessing.set_forkserver_preload(list(modules))
 
 
 def ensure_running() -> None:
     """Start the server now (it starts by itself at the first forkserver spawn)."""
-    with _lock:
-        _server.set_forkserver_preload(PRELOAD + [m for m in _user_preload if m not in PRELOAD])
     _server.ensure_running()
 
 
@@ -72,9 +67,8 @@ class _Popen(popen_forkserver.Popen):
 
     def _launch(self, process_obj: Any) -> None:
         buf = pickle_for_child(self, process_obj)
-        ensure_running()
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
-        self.sentinel, w = _server.connect_to_new_process(passed)
+        self.sentinel, w = _server.connect_to_new_process(passed)  # starts it if need be
         # a duplicate of the data pipe's write end: the child's sentinel of this process
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(

@@ -438,7 +438,8 @@ def test_fd_exhaustion_gives_a_clear_error():
         if __name__ == "__main__":
             mp.set_sharing_strategy("file_descriptor")
             r, w = mp.Pipe(duplex=False)
-            arrays = [sharing.zeros(8) for _ in range(40)]  # one memfd each
+            # 512 KiB each, above the slab threshold: one memfd each
+            arrays = [sharing.zeros(1 << 16) for _ in range(40)]
             resource.setrlimit(resource.RLIMIT_NOFILE, (60, 60))
             w.send(arrays)  # receiving needs 40 more descriptors at once
             try:
@@ -464,9 +465,11 @@ def test_mapping_holds_no_descriptor():
         del arrays
     finally:
         mp.set_sharing_strategy("file_descriptor")
-    arrays = [sharing.zeros(10) for _ in range(50)]
-    assert len(os.listdir("/proc/self/fd")) == before + 50  # exactly one memfd each
-    del arrays
+    small = [sharing.zeros(10) for _ in range(50)]
+    assert len(os.listdir("/proc/self/fd")) == before + 1  # one slab's memfd for them all
+    large = [sharing.zeros(1 << 16) for _ in range(5)]  # above the slab threshold
+    assert len(os.listdir("/proc/self/fd")) == before + 6  # exactly one memfd each
+    del small, large
 
 
 def test_full_dev_shm_is_an_error_at_allocation():

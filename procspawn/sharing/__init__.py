@@ -8,7 +8,8 @@ holder lets go, or the last process holding it dies in any way (SIGKILL included
 memory goes back and, under ``file_system``, its name leaves /dev/shm within seconds,
 while every other process of the program goes on. No cache keeps a segment past its last
 array: a receiver maps each segment once (two handles to one segment give arrays that
-share memory) and holds that mapping weakly.
+share memory) and holds that mapping weakly. Small arrays are carved out of slabs (one
+segment, many arrays): a slab is held while any array in it is, anywhere.
 
 How each strategy keeps the rule: ``file_descriptor`` segments are anonymous memfds, freed
 by the kernel when their last descriptor and mapping are gone. ``file_system`` segments
@@ -30,7 +31,8 @@ level   modules
         per process, weakly), ``_manager`` (the daemon's client),
         ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS)
 2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``
-3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout)
+3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout),
+        ``_slabs`` (small arrays carved out of shared slabs)
 4       ``_reductions`` (ndarray reducers: procspawn and stdlib channels), ``_arrays``
 5       ``_pickler`` (``dumps`` / ``loads``)
 6       ``_connection``, ``_queues``, ``_startup`` (channels, the start-up message)

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from . import _strategy
-from ._segment import Segment
+from . import _slabs, _strategy
+from ._segment import Block, Segment
 
 
 def dtype_code(dtype: np.dtype) -> str | np.dtype:
@@ -20,9 +20,17 @@ def dtype_code(dtype: np.dtype) -> str | np.dtype:
     return dtype
 
 
-def layout(array: np.ndarray, offset: int) -> tuple[Any, ...]:
-    """What a receiver needs besides the segment: offset, shape, strides, dtype, writeable."""
-    return (offset, array.shape, array.strides, dtype_code(array.dtype), array.flags.writeable)
+def layout(array: np.ndarray, offset: int, block: tuple[int, int] | None) -> tuple[Any, ...]:
+    """What a receiver needs besides the segment: offset, shape, strides, dtype, writeable,
+    and the slab block the array lies in (or None)."""
+    return (
+        offset,
+        array.shape,
+        array.strides,
+        dtype_code(array.dtype),
+        array.flags.writeable,
+        block,
+    )
 
 
 def array_over(
@@ -32,9 +40,16 @@ def array_over(
     strides: tuple[int, ...],
     dtype: str | np.dtype,
     writeable: bool,
+    block: tuple[int, int] | None = None,
 ) -> np.ndarray:
-    """The array a handle describes, over ``segment`` of this process."""
-    array = np.ndarray(shape, dtype, buffer=bytes_of(segment), offset=offset, strides=strides)
+    """The array a handle describes, over ``segment`` of this process (over its own block
+    of a slab, so that it reaches no neighbour there either)."""
+    if block is None:
+        buffer = bytes_of(segment)
+    else:
+        buffer = np.asarray(Block(segment, *block))
+        offset -= block[0]
+    array = np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
     if not writeable:
         array.flags.writeable = False
     return array
@@ -52,10 +67,14 @@ def bytes_of(segment: Segment) -> np.ndarray:
 
 
 def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C") -> np.ndarray:
-    """A new array in a fresh segment of the current strategy (its bytes are zero)."""
+    """A new array in shared memory of the current strategy (its bytes are zero): a block
+    of a slab when it is small, else a segment of its own."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    block = _slabs.carve(nbytes)
+    if block is not None:
+        return np.ndarray(shape, dtype, buffer=np.asarray(block), order=order)
     segment = _strategy.allocate(nbytes)
     return np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
 

@@ -45,8 +45,11 @@ def _reduce_ndarray(array: np.ndarray) -> Any:
         array = copy_to_segment(array)
         found = segment_of(array)
         assert found is not None
-    segment, offset = found
-    return (_rebuild_ndarray, (_handles.segment_handle(segment), *layout(array, offset)))
+    segment, offset, block = found
+    return (
+        _rebuild_ndarray,
+        (_handles.segment_handle(segment), *layout(array, offset, block)),
+    )
 
 
 def _rebuild_ndarray(handle: _handles.Handle, *array_layout: Any) -> np.ndarray:
@@ -74,7 +77,7 @@ def _reduce_for_stdlib(array: np.ndarray) -> Any:
     found = segment_of(array)
     if found is None or found[0].strategy not in _BUILTIN_ONLY:
         return array.__reduce_ex__(_NUMPY_PROTOCOL)
-    segment, offset = found
+    segment, offset, block = found
     state = _message.SendState()
     previous = _message.begin_send(state)
     try:
@@ -86,7 +89,7 @@ def _reduce_for_stdlib(array: np.ndarray) -> Any:
         dupfd = _dupfd(fd, state.owned)
     finally:
         state.discard()  # DupFd holds a duplicate of its own now
-    return (_rebuild_from_stdlib, (handle, dupfd, *layout(array, offset)))
+    return (_rebuild_from_stdlib, (handle, dupfd, *layout(array, offset, block)))
 
 
 class _StartFds:

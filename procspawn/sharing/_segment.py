@@ -230,11 +230,41 @@ def _data_pointer_reader() -> Callable[[Any], int] | None:
 _data_pointer: Callable[[Any], int] | None = None
 
 
-def segment_of(array: Any) -> tuple[Segment, int] | None:
-    """(segment, byte offset of the array's first element) if its memory is in a Segment."""
+class Block:
+    """The part of a Segment (a slab, see ``_slabs``) that one small array owns.
+
+    An array carved out of a slab is built over ``np.asarray(block)``: NumPy stops its
+    ``.base`` chain at this object, so neither the array, nor its views, nor its ``.base``
+    reach the neighbours that share the slab.
+    """
+
+    __slots__ = ("base", "start", "length", "__array_interface__", "__weakref__")
+
+    def __init__(self, segment: Segment, start: int, length: int) -> None:
+        self.base = segment
+        self.start = start
+        self.length = length
+        self.__array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (segment.address + start, False),
+            "version": 3,
+        }
+
+
+def segment_of(array: Any) -> tuple[Segment, int, tuple[int, int] | None] | None:
+    """Where an array's memory lies in a Segment, or None when it does not.
+
+    Returns:
+        (segment, byte offset of the array's first element in it, block), where block
+        is ``(start, length)`` of the slab Block the array was carved from, else None.
+    """
     global _data_pointer
+    block = None
     base = array.base
     while base is not None and not isinstance(base, Segment):
+        if isinstance(base, Block):
+            block = (base.start, base.length)
         base = getattr(base, "base", None)
     if base is None:
         return None
@@ -242,4 +272,4 @@ def segment_of(array: Any) -> tuple[Segment, int] | None:
         _data_pointer = _data_pointer_reader() or (
             lambda a: a.__array_interface__["data"][0]  # type: ignore[no-any-return]
         )
-    return base, _data_pointer(array) - base.address
+    return base, _data_pointer(array) - base.address, block

@@ -1,0 +1,66 @@
+"""Level 3: slabs: small arrays carved out of larger segments.
+
+A segment costs a descriptor (file_descriptor) and a mapping in every process that maps
+it, so a consumer holding 100,000 small shared arrays would need 100,000 of each. Arrays
+under ``PROCSPAWN_SLAB_THRESHOLD`` bytes (default 262144; 0 turns slabs off) are instead
+carved, 64-byte aligned, out of a slab: a segment of ``PROCSPAWN_SLAB_BYTES`` (default
+4 MiB, at least four times the threshold) made by the current built-in strategy. A
+receiver maps each slab once, like any segment, so 100,000 live 256-byte arrays cost a
+few slabs: a few descriptors and mappings.
+
+Space in a slab is handed out once, front to back, and never reused: every array starts
+on zeroed memory, and no two arrays overlap. A slab is an ordinary segment under the
+lifetime rule: it is held by the arrays over it (in any process) and by messages in
+flight; the allocator holds the slab it is filling only weakly, so once no array in a
+slab is alive anywhere, its memory goes back, whether or not it was full. Each array is
+built over a ``Block`` of its own bytes, so it, its views and its ``.base`` never reach a
+neighbour.
+
+Per process: a child made by fork starts with no slab (carving on from the parent's
+would hand out the same bytes twice).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+from . import _strategy
+from ._segment import Block, Segment
+
+THRESHOLD = int(os.environ.get("PROCSPAWN_SLAB_THRESHOLD", 256 * 1024))
+SLAB_BYTES = max(int(os.environ.get("PROCSPAWN_SLAB_BYTES", 4 << 20)), 4 * THRESHOLD)
+_ALIGN = 64
+
+# strategy name -> (the slab being filled, held weakly; the next free offset in it)
+_filling: dict[str, tuple[weakref.ref[Segment], int]] = {}
+_lock = threading.Lock()
+
+
+def carve(nbytes: int) -> Block | None:
+    """A Block of ``nbytes`` zeroed bytes in a slab, or None when the array should get a
+    segment of its own (too large, empty, slabs off, or a strategy not built in)."""
+    if not 0 < nbytes < THRESHOLD:
+        return None
+    name = _strategy.get_sharing_strategy()
+    if name not in _strategy.BUILTIN:
+        return None  # a custom strategy's segments are its own business
+    with _lock:
+        slab, free = None, 0
+        entry = _filling.get(name)
+        if entry is not None:
+            slab, free = entry[0](), entry[1]
+        if slab is None or free + nbytes > slab.size:
+            slab, free = _strategy.allocate(SLAB_BYTES), 0
+        _filling[name] = (weakref.ref(slab), -(-(free + nbytes) // _ALIGN) * _ALIGN)
+        return Block(slab, free, nbytes)
+
+
+def _reset_after_fork() -> None:
+    global _lock
+    _filling.clear()
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

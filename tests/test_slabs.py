@@ -1,0 +1,154 @@
+"""Slabs: small shared arrays carved out of one segment, never overlapping, freed with
+their last array, and cheap in descriptors and mappings when very many are alive."""
+
+from __future__ import annotations
+
+import gc
+import textwrap
+
+import numpy as np
+import pytest
+from _helpers import run_script
+
+import procspawn as mp
+from procspawn import sharing
+from procspawn.sharing._segment import segment_of
+from procspawn.sharing._slabs import THRESHOLD
+
+
+def _span(array: np.ndarray) -> tuple[int, int]:
+    start = array.__array_interface__["data"][0]
+    return start, start + array.nbytes
+
+
+def _memfd_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/memfd:procspawn" in line)
+
+
+def _fill_and_check(rank: int, arrays: list[np.ndarray], view: np.ndarray) -> list[int]:
+    """In a rank: every received array reaches only its own bytes; write its index + 100."""
+    for i, a in enumerate(arrays):
+        assert np.all(a == i), (i, a[:4])
+        assert np.asarray(a.base).nbytes == a.nbytes, "the base reaches past the array"
+        a[...] = i + 100
+    assert np.asarray(view.base).nbytes == 8 * 64 * 8  # its matrix, no further
+    view[:] = -1
+    return len({id(segment_of(a)[0]) for a in arrays})  # type: ignore[index]
+
+
+def test_small_arrays_share_slabs_and_never_overlap(strategy):
+    sizes = [1, 7, 64, 100, 4096, 65_536, THRESHOLD - 1] * 30
+    arrays = [sharing.zeros(n, dtype=np.uint8) for n in sizes]
+    segments = {segment_of(a)[0].key for a in arrays}
+    assert len(segments) < len(arrays) / 10  # carved out of a few slabs
+    spans = sorted(_span(a) for a in arrays)
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start, "two arrays of one slab overlap"
+    for i, a in enumerate(arrays):
+        assert not a.any(), "a fresh array is not zero"
+        assert np.asarray(a.base).nbytes == a.nbytes  # .base reaches no neighbour
+        assert np.asarray(a[::2].base).nbytes == a.nbytes  # so does a view's
+        a[...] = i % 251
+    for i, a in enumerate(arrays):
+        assert np.all(a == i % 251), f"array {i} was overwritten by a neighbour"
+    big = sharing.zeros(THRESHOLD, dtype=np.uint8)
+    assert segment_of(big)[0].key not in segments  # from the threshold on: its own segment
+
+
+def test_slab_arrays_cross_processes_as_themselves(strategy, start_method):
+    arrays = [sharing.zeros(64, dtype=np.int64) for _ in range(20)]
+    for i, a in enumerate(arrays):
+        a[...] = i
+    matrix = sharing.zeros((8, 64), dtype=np.int64)
+    [slabs] = mp.spawn(
+        _fill_and_check, args=(arrays, matrix[3]), nprocs=1, start_method=start_method
+    )
+    assert slabs == len({segment_of(a)[0].key for a in arrays})  # one mapping per slab
+    for i, a in enumerate(arrays):
+        assert np.all(a == i + 100)
+    assert np.all(matrix[3] == -1) and not matrix[[0, 1, 2, 4, 5, 6, 7]].any()
+
+
+def test_slab_goes_when_its_last_array_goes():
+    gc.collect()
+    before = _memfd_maps()
+    arrays = [sharing.zeros(100) for _ in range(10)]
+    assert _memfd_maps() == before + 1  # ten arrays, one slab
+    keep = arrays[7][2:5]  # a view keeps the slab, like any array over it
+    del arrays
+    gc.collect()
+    assert _memfd_maps() == before + 1
+    del keep
+    gc.collect()
+    assert _memfd_maps() == before
+
+
+def _new_small_array_segment(rank: int) -> object:
+    return segment_of(sharing.zeros(8))[0].key  # type: ignore[index]
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="no fork here")
+def test_forked_child_never_carves_from_its_parents_slab():
+    mine = sharing.zeros(8)  # the slab being filled when the child is forked
+    [child_key] = mp.spawn(_new_small_array_segment, nprocs=1, start_method="fork")
+    assert child_key != segment_of(mine)[0].key
+
+
+def test_many_live_small_arrays_under_a_low_fd_limit():
+    code = textwrap.dedent(
+        """
+        import os
+        import resource
+        import numpy as np
+        import procspawn as mp
+        from procspawn import sharing
+
+        def producer(q, n):
+            for i in range(0, n, 1000):
+                batch = [sharing.zeros(64, dtype=np.float32) for _ in range(1000)]
+                for j, a in enumerate(batch):
+                    a[0] = i + j
+                q.put(batch)
+            q.close()
+            q.join_thread()
+
+        if __name__ == "__main__":
+            resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+            assert mp.get_sharing_strategy() == "file_descriptor"
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue(maxsize=4)
+            p = ctx.Process(target=producer, args=(q, 30_000))
+            p.start()
+            held = []
+            while len(held) < 30_000:
+                held.extend(q.get(timeout=60))
+            p.join()
+            assert [float(a[0]) for a in held] == list(map(float, range(30_000)))
+            held[29_999][1] = 5
+            with open("/proc/self/maps") as f:
+                maps = sum(1 for line in f if "/memfd:procspawn" in line)
+            print(len(held), len(os.listdir("/proc/self/fd")), maps)
+        """
+    )
+    result = run_script(code, timeout=110)
+    assert result.returncode == 0, result.stderr
+    held, fds, maps = map(int, result.stdout.split())
+    assert held == 30_000
+    assert fds < 64 and maps < 64  # 30,000 arrays of 256 bytes: a few 4 MiB slabs
+
+
+def test_slabs_can_be_turned_off():
+    code = textwrap.dedent(
+        """
+        import os
+        from procspawn import sharing
+
+        before = len(os.listdir("/proc/self/fd"))
+        arrays = [sharing.zeros(8) for _ in range(5)]
+        print(len(os.listdir("/proc/self/fd")) - before)
+        """
+    )
+    result = run_script(code, env_extra={"PROCSPAWN_SLAB_THRESHOLD": "0"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["5"]  # one memfd each, as before slabs

@@ -6,6 +6,10 @@ there before (this process is made a child subreaper, so orphaned grandchildren 
 reparented here and counted too), no new ``/dev/shm/procspawn_*`` file, no new shared
 mapping in ``/proc/self/maps`` and no new open descriptor in ``/proc/self/fd``. OS state
 takes a moment to settle after a kill, so each check waits a few seconds before it fails.
+
+The one exception is memory kept on purpose: the producer-side pool's segments, which a
+user sees as memfd mappings with no access (``---s``) and their descriptors. They are not
+counted as leaks, but their total must stay within the pool's bound.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import pytest
 
 import procspawn
+from procspawn.sharing import _pool
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PATIENCE = 10.0
@@ -67,17 +72,39 @@ def _segments() -> set[str]:
         return set()
 
 
+def _pool_kept() -> dict[int, int]:
+    """inode -> bytes of the memfds this process keeps in its pool (mapped ``---s``)."""
+    kept: dict[int, int] = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[1] == "---s" and "/memfd:procspawn" in fields[5]:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                kept[int(fields[4])] = kept.get(int(fields[4]), 0) + end - start
+    return kept
+
+
 def _fds() -> set[int]:
-    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+    kept = _pool_kept()
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.stat(f"/proc/self/fd/{fd}").st_ino in kept:
+                continue
+        except OSError:
+            pass
+        fds.add(int(fd))
+    return fds
 
 
 def _shared_mappings() -> set[str]:
-    """This process' mappings of shared-memory files (/dev/shm names and memfds)."""
+    """This process' mappings of shared-memory files (/dev/shm names and memfds), but for
+    the pool's (``---s``)."""
     with open("/proc/self/maps") as f:
         return {
             line.split()[0] + " " + line.split(None, 5)[-1].strip()
             for line in f
-            if "/dev/shm/" in line or "/memfd:" in line
+            if ("/dev/shm/" in line or "/memfd:" in line) and line.split()[1] != "---s"
         }
 
 
@@ -128,6 +155,9 @@ def leak_check():
         except FileNotFoundError:
             pass
     problems = []
+    kept = _pool_kept()
+    if sum(kept.values()) > _pool.LIMIT or len(kept) > _pool.MAX_SEGMENTS:
+        problems.append(f"the pool keeps more than its bound: {kept}")
     if new_maps:
         problems.append(f"shared mappings left: {sorted(new_maps)}")
     if new_children:

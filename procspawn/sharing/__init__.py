@@ -9,7 +9,10 @@ memory goes back and, under ``file_system``, its name leaves /dev/shm within sec
 while every other process of the program goes on. No cache keeps a segment past its last
 array: a receiver maps each segment once (two handles to one segment give arrays that
 share memory) and holds that mapping weakly. Small arrays are carved out of slabs (one
-segment, many arrays): a slab is held while any array in it is, anywhere.
+segment, many arrays): a slab is held while any array in it is, anywhere. The one
+memory kept on purpose is the producer-side pool (``_pool``): segments that carried a
+copy at a send, kept once nobody anywhere holds them, bounded, visible and given back by
+``trim()``.
 
 How each strategy keeps the rule: ``file_descriptor`` segments are anonymous memfds, freed
 by the kernel when their last descriptor and mapping are gone. ``file_system`` segments
@@ -30,7 +33,8 @@ level   modules
 1       ``_segment`` (a mapping and its release), ``_mapcache`` (one Segment per key
         per process, weakly), ``_manager`` (the daemon's client),
         ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS)
-2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``
+2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``,
+        ``_pool`` (the producer-side pool of file_descriptor segments)
 3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout),
         ``_slabs`` (small arrays carved out of shared slabs)
 4       ``_reductions`` (ndarray reducers: procspawn and stdlib channels), ``_arrays``
@@ -52,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._limits import FdLimitError, SharedMemoryFullError
     from ._message import attach_fd, received_fd
     from ._pickler import dumps, loads
+    from ._pool import trim
     from ._registry import register
     from ._segment import Segment
     from ._strategy import (
@@ -79,6 +84,7 @@ _LAZY = {
     "register_strategy": "._strategy",
     "set_sharing_strategy": "._strategy",
     "share_memory_": "._arrays",
+    "trim": "._pool",
     "zeros": "._arrays",
 }
 

@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from . import _message
+from . import _message, _pool
 from ._limits import FdLimitError, raise_fd_limit
 from ._segment import Segment
 from ._strategy import SharingStrategy
@@ -60,9 +60,19 @@ class FileDescriptorStrategy(SharingStrategy):
             raise
         return _segment(fd, nbytes, (st.st_dev, st.st_ino))
 
+    def allocate_for_copy(self, nbytes: int) -> Segment:
+        pooled = _pool.take(nbytes)
+        return pooled if pooled is not None else self.allocate(nbytes)
+
     def reduce(self, segment: Segment) -> Any:
         # the key travels too: the receiver needs no fstat to know the segment
-        return (_message.sending().add_fd(segment.fd, segment), segment.size, segment.key)
+        state = _message.sending()
+        if _pool.is_pooled(segment):  # a file of its own for this message (see _pool)
+            with _fd_limit("a shared-memory segment could not be sent"):
+                index = state.give_fd(_pool.file_to_send(segment))
+        else:
+            index = state.add_fd(segment.fd, segment)
+        return (index, segment.size, segment.key)
 
     def rebuild(self, handle: Any) -> Segment:
         index, size, key = handle

@@ -66,25 +66,32 @@ def bytes_of(segment: Segment) -> np.ndarray:
     return view
 
 
-def empty_like_in_segment(shape: Any, dtype: Any, order: Literal["C", "F"] = "C") -> np.ndarray:
-    """A new array in shared memory of the current strategy (its bytes are zero): a block
-    of a slab when it is small, else a segment of its own."""
+def empty_like_in_segment(
+    shape: Any, dtype: Any, order: Literal["C", "F"] = "C", for_copy: bool = False
+) -> np.ndarray:
+    """A new array in shared memory of the current strategy: a block of a slab when it is
+    small, else a segment of its own. Its bytes are zero, unless ``for_copy`` (a send
+    fills it at once: it may be a reused segment of the producer-side pool)."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     block = _slabs.carve(nbytes)
     if block is not None:
         return np.ndarray(shape, dtype, buffer=np.asarray(block), order=order)
-    segment = _strategy.allocate(nbytes)
+    segment = _strategy.allocate(nbytes, for_copy)
     return np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
 
 
-def copy_to_segment(array: np.ndarray) -> np.ndarray:
-    """A copy of ``array`` in a fresh segment, Fortran order kept, read-only kept."""
+def copy_to_segment(array: np.ndarray, for_send: bool = False) -> np.ndarray:
+    """A copy of ``array`` in shared memory, Fortran order kept, read-only kept.
+
+    ``for_send``: the copy only carries ``array`` in a message (nobody here holds it
+    after the send), so its segment may come from and go back to the producer-side pool.
+    """
     order: Literal["C", "F"] = (
         "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
     )
-    shared = empty_like_in_segment(array.shape, array.dtype, order)
+    shared = empty_like_in_segment(array.shape, array.dtype, order, for_send)
     np.copyto(shared, array, casting="no")
     if not array.flags.writeable:
         shared.flags.writeable = False

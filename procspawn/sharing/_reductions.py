@@ -42,7 +42,7 @@ def _reduce_ndarray(array: np.ndarray) -> Any:
     if found is None:
         if array.dtype.hasobject or array.size == 0 or array.nbytes < INLINE_BYTES:
             return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        array = copy_to_segment(array)
+        array = copy_to_segment(array, for_send=True)
         found = segment_of(array)
         assert found is not None
     segment, offset, block = found

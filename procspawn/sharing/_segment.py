@@ -39,7 +39,8 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
-# weak reference -> (pid, map address, map length, fd, on_release) of every live Segment
+# weak reference -> (pid, map address, map length, fd, on_release, recycle) of every live
+# Segment
 _pending: dict[weakref.ref[Any], tuple[Any, ...]] = {}
 
 
@@ -48,7 +49,7 @@ def _release_at_exit() -> None:
     # strategy holds for other processes to see (the pages go with the process).
     me = os.getpid()
     for ref, args in list(_pending.items()):
-        pid, _, _, _, on_release = args
+        pid, _, _, _, on_release, _ = args
         if on_release is not None and pid == me and _pending.pop(ref, None) is not None:
             on_release()
 
@@ -107,11 +108,14 @@ def _collected(
     # teardown is released after module globals may have been cleared.
     args = pending.pop(ref, None)
     if args is not None:
-        pid, address, length, fd, on_release = args
+        pid, address, length, fd, on_release, recycle = args
         if getpid() == pid:  # not a forked child that merely inherited it
-            munmap(address, length)
-            if fd >= 0:
-                close(fd)
+            if recycle is not None:
+                recycle(address, length, fd)  # the pool takes the mapping and fd over
+            else:
+                munmap(address, length)
+                if fd >= 0:
+                    close(fd)
             if on_release is not None:
                 on_release()
 
@@ -153,6 +157,7 @@ class Segment:
         fd: int = -1,
         name: str | None = None,
         on_release: Callable[[], Any] | None = None,
+        recycle: Callable[[int, int, int], Any] | None = None,
     ) -> None:
         self.address = address
         self.size = size
@@ -169,7 +174,14 @@ class Segment:
             "version": 3,
         }
         self._finalizer = weakref.ref(self, _collected)
-        _pending[self._finalizer] = (os.getpid(), map_address, map_length, fd, on_release)
+        _pending[self._finalizer] = (
+            os.getpid(),
+            map_address,
+            map_length,
+            fd,
+            on_release,
+            recycle,
+        )
 
     @classmethod
     def map(

@@ -6,6 +6,7 @@ used, so a process that never shares an array pays nothing for them.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
@@ -13,7 +14,8 @@ import threading
 from typing import Any
 
 from .. import _log
-from . import _mapcache, _registry
+from . import _mapcache, _pool, _registry
+from ._limits import SharedMemoryFullError
 from ._segment import Segment
 
 _ENV = "PROCSPAWN_SHARING_STRATEGY"
@@ -47,6 +49,11 @@ class SharingStrategy:
 
     def allocate(self, nbytes: int) -> Segment:
         raise NotImplementedError
+
+    def allocate_for_copy(self, nbytes: int) -> Segment:
+        """A segment that a send fills at once with a copy (its old bytes need not be
+        zero, so the strategy may reuse one); by default ``allocate``."""
+        return self.allocate(nbytes)
 
     def reduce(self, segment: Segment) -> Any:
         raise NotImplementedError
@@ -168,10 +175,23 @@ def current() -> SharingStrategy:
     return strategy
 
 
-def allocate(nbytes: int) -> Segment:
-    """A new Segment of ``nbytes`` from the current strategy, known to this process' cache."""
+def allocate(nbytes: int, for_copy: bool = False) -> Segment:
+    """A new Segment of ``nbytes`` from the current strategy, known to this process' cache.
+
+    ``for_copy``: a send is about to fill all of it (the strategy may reuse a segment).
+    Short of shared memory, the producer-side pool is given back and it is tried again.
+    """
     _registry.load_plugins()  # its arrays may go through any channel, the stdlib's too
-    segment = current().allocate(nbytes)
+    strategy = current()
+    make = strategy.allocate_for_copy if for_copy else strategy.allocate
+    try:
+        segment = make(nbytes)
+    except OSError as exc:
+        if not (isinstance(exc, SharedMemoryFullError) or exc.errno == errno.ENOMEM):
+            raise
+        if not _pool.trim():
+            raise
+        segment = make(nbytes)
     _log.debug("allocated %r", segment)
     with _mapcache.lock():
         _mapcache.remember(segment)

@@ -124,6 +124,7 @@ def _memfds_of(pid: int) -> dict[str, Any] | None:
     extent: dict[int, int] = {}  # inode -> largest offset + length mapped
     exact: dict[int, int] = {}  # inode -> st_size, where the memfd itself could be stat'ed
     mapped: set[int] = set()
+    pooled: set[int] = set()  # kept by the producer-side pool: mapped with no access
     map_files = True  # readable only with CAP_SYS_ADMIN on many kernels: try once
     for line in maps.splitlines():
         fields = line.split(None, 5)
@@ -135,6 +136,8 @@ def _memfds_of(pid: int) -> dict[str, Any] | None:
         except ValueError:
             continue
         mapped.add(inode)
+        if fields[1] == "---s":
+            pooled.add(inode)
         extent[inode] = max(extent.get(inode, 0), offset + end - start)
         if map_files and inode not in exact:
             size = _size_of(f"/proc/{pid}/map_files/{fields[0]}")
@@ -166,6 +169,8 @@ def _memfds_of(pid: int) -> dict[str, Any] | None:
         "bytes": sum(sizes.values()),
         "mapped": len(mapped),
         "fd_only": len(held - mapped),
+        "pooled": len(pooled),
+        "pooled_bytes": sum(sizes[i] for i in pooled),
         "inodes": sorted(inodes),
         "sizes": sizes,
     }
@@ -193,6 +198,7 @@ def _memfds() -> dict[str, Any]:
 
 def info() -> dict[str, Any]:
     from . import get_all_sharing_strategies, get_sharing_strategy
+    from .sharing import _pool
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shm: dict[str, Any] = {"path": SHM_DIR}
@@ -212,6 +218,7 @@ def info() -> dict[str, Any]:
         "daemons": _daemons(),
         "segments": _segments(),
         "memfd": _memfds(),
+        "pool": {"limit": _pool.LIMIT, "set": "PROCSPAWN_POOL_BYTES" in os.environ},
     }
 
 
@@ -287,10 +294,19 @@ def _print_info(data: dict[str, Any]) -> None:
     )
     for p in memfd["processes"]:
         unmapped = f", {p['fd_only']} open without a mapping" if p["fd_only"] else ""
+        pooled = (
+            f", {p['pooled']} kept in its pool ({_mib(p['pooled_bytes'])})" if p["pooled"] else ""
+        )
         print(
             f"  pid {p['pid']} ({p['command']}): {p['segments']} segment(s), "
-            f"{_mib(p['bytes'])}{unmapped}"
+            f"{_mib(p['bytes'])}{unmapped}{pooled}"
         )
+    pool = data["pool"]
+    print(
+        f"producer-side pool: up to {_mib(pool['limit'])} per process "
+        f"(PROCSPAWN_POOL_BYTES{'' if pool['set'] else ', default'}); "
+        f"procspawn.sharing.trim() gives it back"
+    )
 
 
 def _mib(n: int) -> str:

@@ -151,6 +151,9 @@ array = sharing.empty(1 << 20)  # a mapped memfd segment of 8 MiB (and its descr
 array[:] = 1
 raw = os.memfd_create("procspawn", os.MFD_CLOEXEC)  # open, never mapped
 os.ftruncate(raw, 4096)
+r, w = procspawn.Pipe()
+w.send(array.copy())  # an unshared copy: its segment (1 MiB) is kept in the pool, ---s
+del r, w
 print("ready", flush=True)
 sys.stdin.read()  # until the test closes our stdin
 """
@@ -172,9 +175,10 @@ def test_info_lists_memfd_segments_per_process():
         assert result.returncode == 0, result.stderr
         memfd = json.loads(result.stdout)["memfd"]
         [mine] = [p for p in memfd["processes"] if p["pid"] == holder.pid]
-        assert mine["segments"] == 2 and len(mine["inodes"]) == 2
-        assert mine["mapped"] == 1 and mine["fd_only"] == 1
-        assert mine["bytes"] >= (8 << 20) + 4096  # the segment may be rounded up
+        assert mine["segments"] == 3 and len(mine["inodes"]) == 3
+        assert mine["mapped"] == 2 and mine["fd_only"] == 1
+        assert mine["pooled"] == 1 and mine["pooled_bytes"] == 8 << 20
+        assert mine["bytes"] >= (16 << 20) + 4096  # a segment may be rounded up
         assert mine["command"].startswith("python")
         assert memfd["segments"] >= 2 and memfd["bytes"] >= mine["bytes"]
         assert len(memfd["processes"]) >= 1
@@ -186,8 +190,11 @@ def test_info_lists_memfd_segments_per_process():
         assert summary.endswith(" MiB") and " process(es), " in summary
         mib = f"{mine['bytes'] / 2**20:.1f} MiB"
         assert (
-            f"  pid {holder.pid} ({mine['command']}): 2 segment(s), {mib}, 1 open without a mapping"
+            f"  pid {holder.pid} ({mine['command']}): 3 segment(s), {mib}, 1 open without "
+            f"a mapping, 1 kept in its pool (8.0 MiB)"
         ) in lines
+        [pool] = [s for s in lines if s.startswith("producer-side pool: up to ")]
+        assert "PROCSPAWN_POOL_BYTES" in pool and "trim()" in pool
     finally:
         holder.stdin.close()  # lets it exit
         try:

@@ -4,11 +4,13 @@ their last array, and cheap in descriptors and mappings when very many are alive
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
 import pytest
-from _helpers import run_script
+from _helpers import run_script, script_env
 
 import procspawn as mp
 from procspawn import sharing
@@ -152,3 +154,68 @@ def test_slabs_can_be_turned_off():
     result = run_script(code, env_extra={"PROCSPAWN_SLAB_THRESHOLD": "0"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["5"]  # one memfd each, as before slabs
+
+
+FD_FALLBACK = """
+import resource
+import sys
+import warnings
+import numpy as np
+import procspawn as mp
+from procspawn import sharing
+from procspawn.sharing._segment import segment_of
+
+def total(rank, arrays):
+    return [int(a[0]) for a in arrays]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "explicit":
+        mp.set_sharing_strategy("file_descriptor")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arrays = []
+        try:
+            for i in range(100):  # 512 KiB each, above the slab threshold: one memfd each
+                arrays.append(sharing.zeros(1 << 16))
+                arrays[-1][0] = i
+        except OSError as exc:
+            print(type(exc).__name__, len(arrays))
+            sys.exit(0)
+    print(len(caught), caught[0].category.__name__, str(caught[0].message))
+    print(sorted({segment_of(a)[0].strategy for a in arrays}))
+    assert [int(a[0]) for a in arrays] == list(range(100))
+    fs = [a for a in arrays if segment_of(a)[0].strategy == "file_system"]
+    del arrays  # gives the memfds back: starting a process needs descriptors
+    [got] = mp.spawn(total, args=(fs,))  # they travel like any shared array
+    print(got == [int(a[0]) for a in fs])
+"""
+
+
+def test_out_of_descriptors_falls_back_to_file_system_once():
+    env = {"PROCSPAWN_SHARING_STRATEGY": ""}
+    result = subprocess.run(
+        [sys.executable, "-c", FD_FALLBACK, "default"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(script_env(), **env),
+    )
+    assert result.returncode == 0, result.stderr
+    first, strategies, received = result.stdout.splitlines()
+    count, category, message = first.split(" ", 2)
+    assert (count, category) == ("1", "RuntimeWarning")  # one warning, not one per array
+    assert "ulimit -n" in message and "file_system" in message
+    assert strategies == "['file_descriptor', 'file_system']"
+    assert received == "True"
+    explicit = subprocess.run(
+        [sys.executable, "-c", FD_FALLBACK, "explicit"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(script_env(), **env),
+    )
+    assert explicit.returncode == 0, explicit.stderr
+    name, made = explicit.stdout.split()
+    assert name == "FdLimitError" and 0 < int(made) < 64  # the user chose: an error

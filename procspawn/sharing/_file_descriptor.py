@@ -61,7 +61,8 @@ class FileDescriptorStrategy(SharingStrategy):
         return _segment(fd, nbytes, (st.st_dev, st.st_ino))
 
     def allocate_for_copy(self, nbytes: int) -> Segment:
-        pooled = _pool.take(nbytes)
+        with _fd_limit("a new shared-memory segment could not be created"):
+            pooled = _pool.take(nbytes)
         return pooled if pooled is not None else self.allocate(nbytes)
 
     def reduce(self, segment: Segment) -> Any:

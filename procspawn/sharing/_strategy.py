@@ -9,13 +9,15 @@ from __future__ import annotations
 import errno
 import importlib
 import os
+import resource
 import sys
 import threading
+import warnings
 from typing import Any
 
 from .. import _log
 from . import _mapcache, _pool, _registry
-from ._limits import SharedMemoryFullError
+from ._limits import FdLimitError, SharedMemoryFullError
 from ._segment import Segment
 
 _ENV = "PROCSPAWN_SHARING_STRATEGY"
@@ -68,6 +70,9 @@ class SharingStrategy:
 _strategies: dict[str, SharingStrategy] = {}
 _lock = threading.Lock()
 _current: str | None = None
+_explicit = False  # chosen by the user (set_sharing_strategy or the environment)
+_fell_back = False  # warned once
+_short = False  # the last memfd came near the descriptor limit
 
 BUILTIN: dict[str, tuple[str, str]] = {"file_system": ("._file_system", "FileSystemStrategy")}
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
@@ -146,26 +151,33 @@ def set_sharing_strategy(name: str) -> None:
         ValueError: ``name`` is not registered (the message lists the valid names);
             nothing is changed.
     """
-    global _current
+    global _current, _explicit
     valid = get_all_sharing_strategies()
     if name not in valid:
         raise ValueError(f"unknown sharing strategy {name!r}; valid: {', '.join(sorted(valid))}")
     _current = name
+    _explicit = True
 
 
 def snapshot() -> dict[str, Any]:
     """What a child needs of this process' sharing settings, whatever the start method:
     the strategy's name, and the strategy itself when it is not built in."""
     name = get_sharing_strategy()
-    return {"strategy": name, "custom": None if name in BUILTIN else _strategies[name]}
+    return {
+        "strategy": name,
+        "custom": None if name in BUILTIN else _strategies[name],
+        "explicit": _explicit or bool(os.environ.get(_ENV)),
+    }
 
 
 def restore(settings: dict[str, Any]) -> None:
     """Adopt a parent's ``snapshot()`` in a child."""
+    global _explicit
     name, strategy = settings["strategy"], settings["custom"]
     if strategy is not None and name not in _strategies:
         register_strategy(name, strategy)
     set_sharing_strategy(name)
+    _explicit = settings.get("explicit", True)
 
 
 def current() -> SharingStrategy:
@@ -182,17 +194,65 @@ def allocate(nbytes: int, for_copy: bool = False) -> Segment:
     Short of shared memory, the producer-side pool is given back and it is tried again.
     """
     _registry.load_plugins()  # its arrays may go through any channel, the stdlib's too
+    global _short
     strategy = current()
     make = strategy.allocate_for_copy if for_copy else strategy.allocate
-    try:
-        segment = make(nbytes)
-    except OSError as exc:
-        if not (isinstance(exc, SharedMemoryFullError) or exc.errno == errno.ENOMEM):
-            raise
-        if not _pool.trim():
-            raise
-        segment = make(nbytes)
+    may_fall_back = strategy.name == "file_descriptor" and not (_explicit or os.environ.get(_ENV))
+    if may_fall_back and _short and _fds_short():
+        segment = _fall_back(nbytes)
+    else:
+        try:
+            segment = make(nbytes)
+        except FdLimitError:
+            if not may_fall_back:
+                raise
+            segment = _fall_back(nbytes)
+        except OSError as exc:
+            if not (isinstance(exc, SharedMemoryFullError) or exc.errno == errno.ENOMEM):
+                raise
+            if not _pool.trim():
+                raise
+            segment = make(nbytes)
+        _short = may_fall_back and segment.fd >= _reserve_mark()
     _log.debug("allocated %r", segment)
     with _mapcache.lock():
         _mapcache.remember(segment)
     return segment
+
+
+def _reserve_mark() -> int:
+    """The descriptor number from which the default strategy counts as short of them: a
+    sixteenth of the soft limit (at least 32) stays free for everything else, the
+    fallback's own needs included (the daemon's socket, opening a segment)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 62
+    return soft - max(32, soft // 16)
+
+
+def _fds_short() -> bool:
+    """Still short? Descriptors are numbered lowest free first: a new one tells."""
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    os.close(fd)
+    return fd >= _reserve_mark()
+
+
+def _fall_back(nbytes: int) -> Segment:
+    """This process is out of descriptors under the default strategy: make the segment
+    under ``file_system`` instead (its arrays hold none), and say so once."""
+    global _fell_back
+    if not _fell_back:
+        _fell_back = True
+        warnings.warn(
+            "procspawn: this process is running out of file descriptors for new shared "
+            "segments (each large array under the default 'file_descriptor' strategy holds "
+            "one), so while it is short of them "
+            "new segments are made under 'file_system', whose arrays hold none. To choose "
+            "yourself: raise `ulimit -n`, or call procspawn.set_sharing_strategy(...) "
+            "(then running out is an error, FdLimitError).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    fallback = strategy_named("file_system")
+    assert fallback is not None
+    return fallback.allocate(nbytes)

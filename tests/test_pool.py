@@ -161,28 +161,26 @@ def test_a_killed_consumer_gives_its_segment_back():
     assert held_key in later  # the kernel dropped the victim's file: reused
 
 
-def _rank_holds_argument(rank, array, q, out):
+def _rank_holds_argument(rank, array, q, out, go):
     if rank == 0:
         _consume(q, out, 0)
     else:
-        out.get(timeout=30)  # wait until rank 0 has had all of its items
+        go.get(timeout=30)  # wait until rank 0 has had all of its items
     assert np.all(array == 7), "a rank's argument was overwritten by a later send"
     return _key(array)
 
 
 def test_a_start_message_read_by_several_ranks_keeps_its_segment():
-    q, out = ctx.Queue(), ctx.Queue()
+    q, out, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
     argument = np.full(MIB, 7, np.uint8)
-    context = mp.spawn(
-        _rank_holds_argument, args=(argument, q, out), nprocs=3, join=False, timeout=None
-    )
+    context = mp.spawn(_rank_holds_argument, args=(argument, q, out, go), nprocs=3, join=False)
     del argument
     _send_all(q, 10, start=8)
     q.put(None)
     keys = _keys(out, 10)
-    out.get(timeout=30)
+    assert out.get(timeout=30) == ("kept", [])
     for _ in range(2):
-        out.put("done")
+        go.put("done")
     assert context.join(60)
     arg_keys = set(context.results)
     assert len(arg_keys) == 1 and not arg_keys & set(keys)
@@ -257,3 +255,31 @@ def test_the_pool_is_bounded_and_can_be_turned_off():
     assert int(off.stdout) == 0
     bad = run_script(code, env_extra={"PROCSPAWN_POOL_BYTES": "lots"})
     assert bad.returncode != 0 and "PROCSPAWN_POOL_BYTES='lots'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(3 << 20, dtype=np.float32),  # 12 MiB, 1-D
+        lambda: np.asfortranarray(np.arange(6 << 20, dtype=np.int16).reshape(3072, 2048)),
+        lambda: np.arange(32 << 20, dtype=np.uint8).reshape(4, 8192, 1024)[:, ::2, 1:],
+        lambda: np.arange(2 << 20, dtype=np.complex64).reshape(2, -1)[::-1],
+    ],
+    ids=["1d", "fortran", "strided-3d", "reversed"],
+)
+def test_large_copies_split_in_two_threads_are_exact(make):
+    source = make()
+    shared = sharing.share_memory_(source)
+    assert shared.nbytes >= 8 << 20 and sharing.is_shared(shared)
+    assert np.array_equal(shared, source)
+
+    def fortran_only(a):
+        return a.flags.f_contiguous and not a.flags.c_contiguous
+
+    assert fortran_only(shared) == fortran_only(source)  # the order is kept
+    q = mp.Pipe()
+    q[1].send(source)  # the send's own copy (a pool segment), received in this process
+    received = q[0].recv()
+    assert np.array_equal(received, source)
+    for end in q:
+        end.close()

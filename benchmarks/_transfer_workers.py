@@ -243,11 +243,13 @@ def _check(item: Any, family: str, nbytes: int) -> None:
 def hold_many(q: Any, conn: Connection, count: int) -> None:
     """Under RLIMIT_NOFILE = 1024, receive and keep up to ``count`` arrays.
 
-    Reports ``("held", (how many were held, error text or None))``.
+    Reports ``("held", (how many were held, error text or None, seconds per item from
+    the first get to the last, or None))``.
     """
     resource.setrlimit(resource.RLIMIT_NOFILE, (LIVE_FD_LIMIT, LIVE_FD_LIMIT))
     held: list[Any] = []
     error = None
+    first = last = time.monotonic()
     try:
         while len(held) < count:
             item = q.get(timeout=GET_TIMEOUT_SECONDS)
@@ -255,9 +257,13 @@ def hold_many(q: Any, conn: Connection, count: int) -> None:
                 error = "the producer stopped early (see its error)"
                 break
             held.append(item)
+            last = time.monotonic()
+            if len(held) == 1:
+                first = last
     except Exception as exc:
         error = _describe(exc)
-    conn.send(("held", (len(held), error)))
+    per_item = (last - first) / (len(held) - 1) if len(held) > 1 else None
+    conn.send(("held", (len(held), error, per_item)))
     held.clear()
 
 

@@ -62,8 +62,10 @@ Many live arrays. A consumer lowers RLIMIT_NOFILE to (1024, 1024), then receives
 keeps 10,000 and 100,000 shared arrays of 64 float32 (the producer makes each one with
 ``procspawn.sharing.zeros`` / ``torch.zeros(64).share_memory_()``, puts it into a
 bounded Queue and drops it). The table tells whether all were held, how many were held
-before the failure, and the error. Note the kernel's vm.max_map_count (65530 by
-default): a process cannot map more segments than that, whatever the strategy.
+before the failure, the time per item from the consumer's first get to its last ("us/item")
+and that time over torch file_system's ("x torch fs"), and the error. Note the kernel's
+vm.max_map_count (65530 by default): a process cannot map more segments than that,
+whatever the strategy (procspawn carves arrays this small out of shared slabs).
 
 ``--quick`` runs 4 KiB and 1 MiB, 1 round, paced 4 KiB with N = 100, fresh 4 KiB and
 1 MiB, and 2,000 live arrays (a smoke test). ``--only`` runs one table: ``throughput``
@@ -409,7 +411,7 @@ def hold_live(family: str, strategy: str, count: int) -> dict[str, Any]:
     try:
         consumer.start()
         producer.start()
-        held, error = common.receive(cons_conn, consumer, LIVE_SECONDS)
+        held, error, per_item = common.receive(cons_conn, consumer, LIVE_SECONDS)
         prod_conn.send("stop")
         sent, producer_error = common.receive(prod_conn, producer, STARTUP_SECONDS)
     finally:
@@ -418,7 +420,7 @@ def hold_live(family: str, strategy: str, count: int) -> dict[str, Any]:
             conn.close()
     if producer_error:
         error = f"{error}; producer: {producer_error}"
-    return {"held": held, "sent": sent, "error": error}
+    return {"held": held, "sent": sent, "error": error, "seconds": per_item}
 
 
 def live_row(family: str, strategy: str, count: int, problem: str | None) -> dict[str, Any]:
@@ -429,7 +431,7 @@ def live_row(family: str, strategy: str, count: int, problem: str | None) -> dic
             return {**row, **hold_live(family, strategy, count)}
         except Exception as exc:
             problem = common.describe(exc)
-    return {**row, "held": None, "sent": None, "error": f"n/a: {problem}"}
+    return {**row, "held": None, "sent": None, "error": f"n/a: {problem}", "seconds": None}
 
 
 def measure_live(counts: tuple[int, ...], problems: dict[str, str | None]) -> list[dict]:
@@ -443,15 +445,28 @@ def measure_live(counts: tuple[int, ...], problems: dict[str, str | None]) -> li
 
 
 def live_table(rows: list[dict[str, Any]]) -> str:
-    headers = ["transport", "arrays", "held", "result", "error"]
+    """The many-live-arrays rows; "x torch fs" = per-item time / torch file_system's for
+    the same count (the strategy torch users switch to for many live tensors)."""
+    headers = ["transport", "arrays", "held", "result", "us/item", "x torch fs", "error"]
+    torch_fs = {
+        r["count"]: r.get("seconds")
+        for r in rows
+        if r["transport"] == "torch file_system" and r["held"] == r["count"]
+    }
     lines = []
     for row in rows:
         held = row["held"]
         ok = held == row["count"] and not row["error"]
         result = "-" if held is None else ("ok" if ok else "failed")
         held_text = "-" if held is None else f"{held:,}"
+        seconds = row.get("seconds")
+        per_item = "-" if seconds is None else f"{seconds * 1e6:.1f}"
+        ref = torch_fs.get(row["count"])
+        ratio = "-" if seconds is None or not ref else f"{seconds / ref:.2f}"
         error = (row["error"] or "").replace("|", "/")
-        lines.append([row["transport"], f"{row['count']:,}", held_text, result, error])
+        lines.append(
+            [row["transport"], f"{row['count']:,}", held_text, result, per_item, ratio, error]
+        )
     return common.markdown_table(headers, lines)
 
 

@@ -33,6 +33,9 @@ _PATIENCE = 10.0
 # that starts a tree of its own (a script, a stdlib Process) would otherwise wait out the
 # default 2 s in its leak check. The daemons still do everything they do by default.
 os.environ.setdefault("PROCSPAWN_MANAGER_GRACE", "0.5")
+# Likewise the slab being filled is held this long after the last small array was made
+# (default 1 s), which every leak check would wait out.
+os.environ.setdefault("PROCSPAWN_SLAB_LINGER", "0.2")
 
 
 def _children() -> set[int]:

@@ -301,7 +301,7 @@ def test_messages_closed_unread_give_their_segments_back_while_the_program_lives
         names = _names()
         q = mp.SimpleQueue()
         for i in range(5):
-            a = sharing.zeros(10_000)
+            a = sharing.zeros(40_000)  # 320 KB, above the slab threshold: a segment each
             a[0] = i
             q.put(a)
             del a
@@ -324,7 +324,7 @@ def test_a_release_inside_a_table_update_of_the_same_thread_does_not_deadlock():
     mp.set_sharing_strategy("file_system")
     try:
         names = _names()
-        a = sharing.zeros(10)
+        a = sharing.zeros(40_000)  # above the slab threshold: a segment of its own
         [name] = _names() - names
         fd = _manager_main.open_segment(name)
         try:

@@ -4,9 +4,11 @@ their last array, and cheap in descriptors and mappings when very many are alive
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from _helpers import run_script, script_env
 import procspawn as mp
 from procspawn import sharing
 from procspawn.sharing._segment import segment_of
-from procspawn.sharing._slabs import THRESHOLD
+from procspawn.sharing._slabs import LINGER, THRESHOLD
 
 
 def _span(array: np.ndarray) -> tuple[int, int]:
@@ -72,6 +74,15 @@ def test_slab_arrays_cross_processes_as_themselves(strategy, start_method):
     assert np.all(matrix[3] == -1) and not matrix[[0, 1, 2, 4, 5, 6, 7]].any()
 
 
+def _wait_for_maps(count: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _memfd_maps() != count:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_slab_goes_when_its_last_array_goes():
     gc.collect()
     before = _memfd_maps()
@@ -79,11 +90,59 @@ def test_slab_goes_when_its_last_array_goes():
     assert _memfd_maps() == before + 1  # ten arrays, one slab
     keep = arrays[7][2:5]  # a view keeps the slab, like any array over it
     del arrays
+    time.sleep(LINGER + 0.5)  # the allocator lets go of it a second after the last carve
     gc.collect()
     assert _memfd_maps() == before + 1
     del keep
+    assert _wait_for_maps(before, 1.0)  # at once: nothing else holds it
+
+
+def test_an_unused_slab_goes_within_seconds_without_trim():
     gc.collect()
-    assert _memfd_maps() == before
+    before = _memfd_maps()
+    array = sharing.zeros(100)
+    del array  # the allocator still holds the slab for further small arrays...
+    assert _memfd_maps() == before + 1
+    assert _wait_for_maps(before, LINGER + 2.0)  # ...a second or so, no longer
+
+
+def test_an_unused_file_system_slab_leaves_dev_shm_within_seconds():
+    def mine() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")}
+
+    mp.set_sharing_strategy("file_system")
+    try:
+        before = mine()
+        array = sharing.zeros(100)
+        assert len(mine() - before) == 1
+        del array
+        deadline = time.monotonic() + LINGER + 2.0
+        while mine() != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mine() == before
+    finally:
+        mp.set_sharing_strategy("file_descriptor")
+
+
+def _carve_send_drop(q, n):
+    for i in range(n):
+        array = sharing.zeros(64, dtype=np.float32)
+        array[0] = i
+        q.put(array)
+        del array  # made, sent, dropped: the next one still comes from the same slab
+    q.close()
+    q.join_thread()
+
+
+def test_a_producer_that_drops_each_array_fills_one_slab():
+    q = mp.get_context("spawn").Queue(maxsize=64)
+    p = mp.get_context("spawn").Process(target=_carve_send_drop, args=(q, 3000))
+    p.start()
+    held = [q.get(timeout=30) for _ in range(3000)]
+    p.join(30)
+    assert [int(a[0]) for a in held] == list(range(3000))
+    assert len({segment_of(a)[0].key for a in held}) == 1  # 3000 x 256 B: one 4 MiB slab
+    del held
 
 
 def _new_small_array_segment(rank: int) -> object:

@@ -52,11 +52,10 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._arrays import empty, is_shared, share_memory_, zeros
+    from ._arrays import empty, is_shared, share_memory_, trim, zeros
     from ._limits import FdLimitError, SharedMemoryFullError
     from ._message import attach_fd, received_fd
     from ._pickler import dumps, loads
-    from ._pool import trim
     from ._registry import register
     from ._segment import Segment
     from ._strategy import (
@@ -84,7 +83,7 @@ _LAZY = {
     "register_strategy": "._strategy",
     "set_sharing_strategy": "._strategy",
     "share_memory_": "._arrays",
-    "trim": "._pool",
+    "trim": "._arrays",
     "zeros": "._arrays",
 }
 

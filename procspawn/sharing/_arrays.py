@@ -1,4 +1,4 @@
-"""Level 4: the public array helpers: empty, zeros, is_shared, share_memory_."""
+"""Level 4: the public array helpers: empty, zeros, is_shared, share_memory_, trim."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _pool, _slabs
 from ._ndarray import copy_to_segment, empty_like_in_segment
 from ._segment import segment_of
 
@@ -23,6 +24,18 @@ def empty(shape: Any, dtype: Any = float) -> np.ndarray:
 def zeros(shape: Any, dtype: Any = float) -> np.ndarray:
     """A new zero-filled array in shared memory."""
     return empty_like_in_segment(shape, dtype)
+
+
+def trim() -> int:
+    """Give back the shared memory procspawn keeps on purpose in this process: the
+    producer-side pool's segments (``PROCSPAWN_POOL_BYTES``) and the slabs being filled
+    (otherwise held until a second after their last small array was made).
+
+    Returns:
+        How many bytes the pool kept (its segments' sizes).
+    """
+    _slabs.trim()
+    return _pool.trim()
 
 
 def is_shared(array: Any) -> bool:

@@ -11,10 +11,13 @@ few slabs: a few descriptors and mappings.
 Space in a slab is handed out once, front to back, and never reused: every array starts
 on zeroed memory, and no two arrays overlap. A slab is an ordinary segment under the
 lifetime rule: it is held by the arrays over it (in any process) and by messages in
-flight; the allocator holds the slab it is filling only weakly, so once no array in a
-slab is alive anywhere, its memory goes back, whether or not it was full. Each array is
-built over a ``Block`` of its own bytes, so it, its views and its ``.base`` never reach a
-neighbour.
+flight. The allocator holds the slab it is filling for as long as arrays keep being
+carved, and for ``PROCSPAWN_SLAB_LINGER`` seconds (default 1) after the last: a producer that makes, sends and
+drops small arrays in a loop fills one slab instead of making one per array (which would
+cost its consumer a descriptor and a mapping per array again). Then it holds it only
+weakly, so once no array in a slab is alive anywhere, its memory goes back within a
+second or so, whether or not it was full. Each array is built over a ``Block`` of its own
+bytes, so it, its views and its ``.base`` never reach a neighbour.
 
 Per process: a child made by fork starts with no slab (carving on from the parent's
 would hand out the same bytes twice).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 
 from . import _strategy
@@ -33,14 +37,20 @@ THRESHOLD = int(os.environ.get("PROCSPAWN_SLAB_THRESHOLD", 256 * 1024))
 SLAB_BYTES = max(int(os.environ.get("PROCSPAWN_SLAB_BYTES", 4 << 20)), 4 * THRESHOLD)
 _ALIGN = 64
 
+LINGER = float(os.environ.get("PROCSPAWN_SLAB_LINGER", 1.0))
+
 # strategy name -> (the slab being filled, held weakly; the next free offset in it)
 _filling: dict[str, tuple[weakref.ref[Segment], int]] = {}
 _lock = threading.Lock()
+_held: dict[str, Segment] = {}  # the same slabs, held until LINGER after the last carve
+_last_carve = 0.0
+_keeper: threading.Thread | None = None
 
 
 def carve(nbytes: int) -> Block | None:
     """A Block of ``nbytes`` zeroed bytes in a slab, or None when the array should get a
     segment of its own (too large, empty, slabs off, or a strategy not built in)."""
+    global _last_carve, _keeper
     if not 0 < nbytes < THRESHOLD:
         return None
     name = _strategy.get_sharing_strategy()
@@ -54,13 +64,44 @@ def carve(nbytes: int) -> Block | None:
         if slab is None or free + nbytes > slab.size:
             slab, free = _strategy.allocate(SLAB_BYTES), 0
         _filling[name] = (weakref.ref(slab), -(-(free + nbytes) // _ALIGN) * _ALIGN)
+        _held[name] = slab
+        _last_carve = time.monotonic()
+        if _keeper is None:
+            _keeper = threading.Thread(target=_let_go_when_idle, name="procspawn-slabs")
+            _keeper.daemon = True
+            _keeper.start()
         return Block(slab, free, nbytes)
 
 
+def _let_go_when_idle() -> None:
+    """Hold the slabs being filled until LINGER passed without a carve, then stop."""
+    global _keeper
+    while True:
+        with _lock:
+            idle = time.monotonic() - _last_carve
+            if idle >= LINGER:
+                released = list(_held.values())
+                _held.clear()
+                _keeper = None
+                break
+        time.sleep(LINGER - idle + 0.01)
+    del released  # outside the lock: the last reference may unmap the slab
+
+
+def trim() -> None:
+    """Let go of the slabs being filled now (``sharing.trim``)."""
+    with _lock:
+        released = list(_held.values())
+        _held.clear()
+    del released
+
+
 def _reset_after_fork() -> None:
-    global _lock
+    global _lock, _keeper
     _filling.clear()
+    _held.clear()
     _lock = threading.Lock()
+    _keeper = None
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

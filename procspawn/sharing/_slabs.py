@@ -12,11 +12,12 @@ Space in a slab is handed out once, front to back, and never reused: every array
 on zeroed memory, and no two arrays overlap. A slab is an ordinary segment under the
 lifetime rule: it is held by the arrays over it (in any process) and by messages in
 flight. The allocator holds the slab it is filling for as long as arrays keep being
-carved, and for ``PROCSPAWN_SLAB_LINGER`` seconds (default 1) after the last: a producer that makes, sends and
-drops small arrays in a loop fills one slab instead of making one per array (which would
-cost its consumer a descriptor and a mapping per array again). Then it holds it only
-weakly, so once no array in a slab is alive anywhere, its memory goes back within a
-second or so, whether or not it was full. Each array is built over a ``Block`` of its own
+carved, and for ``PROCSPAWN_SLAB_LINGER`` seconds (default 1) after the last: a producer
+that makes, sends and drops small arrays in a loop fills one slab instead of making one
+per array (which would cost its consumer a descriptor and a mapping per array again).
+Then it holds it only weakly, so once no array in a slab is alive anywhere, its memory
+goes back within a second or so, whether or not it was full. Each array is built over a
+``Block`` of its own
 bytes, so it, its views and its ``.base`` never reach a neighbour.
 
 Per process: a child made by fork starts with no slab (carving on from the parent's

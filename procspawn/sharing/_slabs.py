@@ -17,8 +17,7 @@ that makes, sends and drops small arrays in a loop fills one slab instead of mak
 per array (which would cost its consumer a descriptor and a mapping per array again).
 Then it holds it only weakly, so once no array in a slab is alive anywhere, its memory
 goes back within a second or so, whether or not it was full. Each array is built over a
-``Block`` of its own
-bytes, so it, its views and its ``.base`` never reach a neighbour.
+``Block`` of its own bytes, so it, its views and its ``.base`` never reach a neighbour.
 
 Per process: a child made by fork starts with no slab (carving on from the parent's
 would hand out the same bytes twice).

@@ -75,15 +75,17 @@ def _segments() -> set[str]:
         return set()
 
 
-def _pool_kept() -> dict[int, int]:
-    """inode -> bytes of the memfds this process keeps in its pool (mapped ``---s``)."""
-    kept: dict[int, int] = {}
+def _pool_kept() -> dict[tuple[int, int], int]:
+    """(device, inode) -> bytes of the memfds this process keeps in its pool (``---s``)."""
+    kept: dict[tuple[int, int], int] = {}
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(None, 5)
             if len(fields) == 6 and fields[1] == "---s" and "/memfd:procspawn" in fields[5]:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                kept[int(fields[4])] = kept.get(int(fields[4]), 0) + end - start
+                major, minor = (int(x, 16) for x in fields[3].split(":"))
+                key = (os.makedev(major, minor), int(fields[4]))
+                kept[key] = kept.get(key, 0) + end - start
     return kept
 
 
@@ -92,7 +94,8 @@ def _fds() -> set[int]:
     fds = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if os.stat(f"/proc/self/fd/{fd}").st_ino in kept:
+            st = os.stat(f"/proc/self/fd/{fd}")
+            if (st.st_dev, st.st_ino) in kept:
                 continue
         except OSError:
             pass

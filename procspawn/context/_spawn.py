@@ -158,8 +158,10 @@ def start_processes(
     grace_period: float | None = None,
     progress: Any = None,
     prefix_output: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
 ) -> Any:
-    """Run ``fn(rank, *args, **kwargs)`` in ``nprocs`` new processes.
+    """Run ``fn(rank, *args, **kwargs)`` in ``nprocs`` new processes (or Ray actors).
 
     Args:
         fn: a callable; lambdas, closures and functions defined in ``__main__`` work.
@@ -179,6 +181,16 @@ def start_processes(
         progress: show progress while joining: an int total of ``procspawn.progress()``
             steps, True (no total), or a ``procspawn.Progress``.
         prefix_output: prefix each line the ranks print with ``[rank r]``.
+        backend: ``"process"`` (processes on this machine) or ``"ray"``: the ranks as
+            actors of a Ray cluster, one CPU each, reserved all at once (a placement
+            group), with the same results, failures, timeout and Ctrl-C; needs
+            ``pip install 'procspawn[ray]'``. Arrays in ``args`` reach the ranks through
+            Ray's object store, read-only; procspawn shared arrays are refused (shared
+            writes are one-machine only). ``start_method``, ``daemon``, ``progress`` and
+            ``prefix_output`` do not apply to it.
+        ray_address: with ``backend="ray"``, the cluster to connect to; default:
+            ``RAY_ADDRESS``, else the Ray already initialised in this process, else a
+            local cluster started for this call and shut down after it.
 
     Every rank has ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in its
     environment. Its stdout and stderr go through the parent, live, line by line
@@ -187,7 +199,8 @@ def start_processes(
     last on stderr.
 
     Returns:
-        With ``join=True``, the list of return values by rank; else a ``ProcessContext``.
+        With ``join=True``, the list of return values by rank; else a ``ProcessContext``
+        (with ``backend="ray"``, a ``RayContext`` with the same methods).
 
     Raises:
         ValueError: bad ``nprocs``, ``timeout`` or ``grace_period``, or an unknown start
@@ -197,6 +210,16 @@ def start_processes(
         ProcessRaisedException, ProcessExitedException, ProcessTimeoutError: a rank failed
             or ran out of time (see ``ProcessContext.join``).
     """
+    if backend == "ray":
+        _check_ray_options(start_method, daemon, progress, prefix_output)
+        args, kwargs = _check(fn, args, kwargs, nprocs, "spawn", join, timeout, grace_period)
+        from ._ray import start_ray
+
+        return start_ray(fn, args, kwargs, nprocs, join, timeout, ray_address)
+    if backend != "process":
+        raise ValueError(f"unknown backend {backend!r}; use 'process' (default) or 'ray'")
+    if ray_address is not None:
+        raise ValueError("ray_address applies to backend='ray' only")
     if start_method is None:
         start_method = default_start_method()
     args, kwargs = _check(fn, args, kwargs, nprocs, start_method, join, timeout, grace_period)
@@ -213,6 +236,25 @@ def start_processes(
     if not join:
         return context
     return context._run_to_end(timeout)
+
+
+def _check_ray_options(start_method: Any, daemon: Any, progress: Any, prefix_output: Any) -> None:
+    given = [
+        name
+        for name, value, default in (
+            ("start_method", start_method, None),
+            ("daemon", daemon, False),
+            ("progress", progress, None),
+            ("prefix_output", prefix_output, False),
+        )
+        if value != default
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} do(es) not apply to backend='ray': Ray starts the ranks' "
+            f"processes and shows their output (prefixed with the actor's pid). Leave "
+            f"{'it' if len(given) == 1 else 'them'} out."
+        )
 
 
 # Under forkserver the parent's share of a rank's start (pickling, connecting, waiting for
@@ -348,6 +390,8 @@ def spawn(
     grace_period: float | None = None,
     progress: Any = None,
     prefix_output: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
 ) -> Any:
     """Run ``fn(rank, *args, **kwargs)`` for rank in ``range(nprocs)``; see
     ``start_processes``."""
@@ -363,6 +407,8 @@ def spawn(
         grace_period=grace_period,
         progress=progress,
         prefix_output=prefix_output,
+        backend=backend,
+        ray_address=ray_address,
     )
 
 

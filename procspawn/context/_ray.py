@@ -1,0 +1,416 @@
+"""``spawn(..., backend="ray")``: the ranks as actors of a Ray cluster, with spawn's semantics.
+
+::
+
+    parent: check arguments (no procspawn shared arrays: Hogwild is one-machine only)
+            connect: ray_address / RAY_ADDRESS, a Ray already initialised here, or a local
+                     cluster of our own (no dashboard, small object store, shut down after)
+            placement group of nprocs bundles {"CPU": 1}: every rank gets one or none starts
+            one actor per bundle; ray.put((fn, args, kwargs)) once: each rank reads it from
+                     the object store (zero-copy on one node: its arrays are read-only)
+            run(rank) on every actor  ──▶  ("ok", pickled result) | ("error", exc, traceback)
+            join: ray.wait on every rank at once; the first failure (a raise, or an actor
+                  that died) stops the others (ray.kill) and removes the group
+    close:  every actor killed, the group removed, our own cluster shut down
+
+Ray is imported only here, when ``backend="ray"`` is asked for: ``import procspawn`` never
+imports it. Results travel back pickled by the rank (cloudpickle), so the parent's values
+are its own, writable, and outlive the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+
+from ._errors import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    ProcessTimeoutError,
+)
+
+_OBJECT_STORE_BYTES = 256 << 20  # a local cluster of our own: a small object store
+_READY_SECONDS = float(os.environ.get("PROCSPAWN_RAY_READY_TIMEOUT", 60))
+_TICK = 0.2  # seconds between looks while joining, so Ctrl-C is seen promptly
+
+
+class RayMissingError(ImportError):
+    """``backend="ray"`` was asked for, but Ray is not installed."""
+
+
+class RayResourcesError(RuntimeError):
+    """The Ray cluster cannot give every rank a CPU (nothing was started)."""
+
+
+def import_ray() -> Any:
+    """Ray, or a clear error saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayMissingError(
+            "spawn(..., backend='ray') needs Ray, which is not installed in this "
+            "environment: pip install 'procspawn[ray]' (or pip install ray)"
+        ) from exc
+    return ray
+
+
+def refuse_shared_arrays(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Arrays made with ``share_memory_`` / ``sharing.zeros`` cannot be shared writably
+    across machines: refuse them before anything starts."""
+    if "numpy" not in sys.modules:
+        return  # no array could be in there
+    from ..sharing import is_shared
+
+    for where, obj in _walk(args, kwargs):
+        if is_shared(obj):
+            raise ValueError(
+                f"spawn(..., backend='ray'): {where} is a procspawn shared-memory array "
+                f"(share_memory_ / sharing.zeros). Writes to shared memory across ranks "
+                f"(Hogwild) work on one machine only: use backend='process' for that. "
+                f"With Ray, pass a plain array (np.array(a)): each rank reads it from "
+                f"Ray's object store, read-only, and returns what it computes."
+            )
+
+
+def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    stack: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    stack += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    seen: set[int] = set()
+    while stack:
+        where, obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        yield where, obj
+        if isinstance(obj, dict):
+            stack += [(f"{where}[{k!r}]", v) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            stack += [(f"{where}.{k}", v) for k, v in vars(obj).items()]
+
+
+class _Rank:
+    """One rank, as a Ray actor (made a remote class in ``_actor_class``)."""
+
+    def where(self) -> tuple[int, str]:
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    def run(
+        self,
+        payload: list[Any],
+        path: list[str],
+        rank: int,
+        local_rank: int,
+        world: int,
+        local_world: int,
+    ) -> Any:
+        import ray
+
+        # As multiprocessing's spawn does: the parent's import path, so that a function of
+        # the parent's own modules can be found (on one machine; elsewhere what exists).
+        sys.path.extend(p for p in path if p not in sys.path)
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(local_world),
+        )
+        try:
+            # in a list, so that Ray left it to us to fetch, once the path is in place
+            fn, args, kwargs = ray.get(payload[0])
+            result = fn(rank, *args, **kwargs)
+            return ("ok", cloudpickle.dumps(result))
+        except BaseException as exc:  # KeyboardInterrupt included: it is a failure
+            text = traceback.format_exc()
+            try:
+                blob = cloudpickle.dumps(exc)
+            except Exception:
+                blob = None
+            return ("error", blob, text)
+
+
+_actor_classes: dict[int, Any] = {}
+
+
+def _actor_class(ray: Any) -> Any:
+    cls = _actor_classes.get(id(ray))
+    if cls is None:
+        cls = _actor_classes[id(ray)] = ray.remote(max_restarts=0, max_task_retries=0)(_Rank)
+    return cls
+
+
+def _connect(ray: Any, address: str | None, nprocs: int) -> bool:
+    """Make sure Ray is initialised here; True when we started a local cluster (ours to
+    shut down)."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        ray.init(address=address, log_to_driver=True, logging_level="warning")
+        return False
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, nprocs),
+        include_dashboard=False,
+        object_store_memory=_OBJECT_STORE_BYTES,
+        log_to_driver=True,
+        logging_level="warning",
+    )
+    return True
+
+
+def start_ray(
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nprocs: int,
+    join: bool,
+    timeout: float | None,
+    ray_address: str | None,
+) -> Any:
+    """The body of ``start_processes(..., backend="ray")`` once arguments are checked."""
+    refuse_shared_arrays(args, kwargs)
+    try:
+        payload_bytes = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise pickle.PicklingError(
+            f"spawn(..., backend='ray'): fn and args cannot be pickled: "
+            f"{type(exc).__name__}: {exc}. No rank was started."
+        ) from exc
+    del payload_bytes  # a check in the parent; Ray pickles them again for the store
+    ray = import_ray()
+    owned = _connect(ray, ray_address, nprocs)
+    try:
+        context = RayContext(ray, fn, args, kwargs, nprocs, owned)
+    except BaseException:
+        if owned:
+            ray.shutdown()
+        raise
+    if not join:
+        return context
+    return context._run_to_end(timeout)
+
+
+class RayContext:
+    """The running ranks of one ``spawn(..., backend="ray", join=False)`` call.
+
+    The same interface as ``ProcessContext``: ``join(timeout)``, ``results``, ``pids()``,
+    ``terminate()``, and use as a context manager. ``nodes()`` tells the Ray node of each
+    rank.
+    """
+
+    def __init__(
+        self,
+        ray: Any,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        nprocs: int,
+        owned: bool,
+    ) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._ray = ray
+        self._owned = owned
+        self._closed = False
+        self._error: ProcessException | None = None
+        self._actors: list[Any] = []
+        self._group = None
+        self._results: list[Any] = [None] * nprocs
+        self._done = [False] * nprocs
+        try:
+            cpus = ray.cluster_resources().get("CPU", 0)
+            if cpus < nprocs:
+                raise RayResourcesError(
+                    f"spawn(..., backend='ray'): the Ray cluster has {cpus:g} CPU(s) in all, "
+                    f"and every one of the {nprocs} ranks needs one; no rank was started. "
+                    f"Start fewer ranks, or add nodes to the cluster."
+                )
+            self._group = placement_group([{"CPU": 1}] * nprocs, strategy="PACK")
+            ready, _ = ray.wait([self._group.ready()], timeout=_READY_SECONDS)
+            if not ready:
+                raise RayResourcesError(
+                    f"spawn(..., backend='ray'): the Ray cluster could not reserve one CPU for "
+                    f"each of {nprocs} ranks within {_READY_SECONDS:g} s (available now: "
+                    f"{ray.available_resources().get('CPU', 0):g} CPU); no rank was started. "
+                    f"Other jobs may hold them; start fewer ranks or wait "
+                    f"(PROCSPAWN_RAY_READY_TIMEOUT)."
+                )
+            actor = _actor_class(ray)
+            self._actors = [
+                actor.options(
+                    num_cpus=1,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self._group, placement_group_bundle_index=rank
+                    ),
+                ).remote()
+                for rank in range(nprocs)
+            ]
+            where = ray.get([a.where.remote() for a in self._actors], timeout=_READY_SECONDS)
+            self._pids = [pid for pid, _ in where]
+            self._nodes = [node for _, node in where]
+            payload = ray.put((fn, args, kwargs))
+            self._pending = {
+                a.run.remote([payload], sys.path, rank, *self._local(rank), nprocs): rank
+                for rank, a in enumerate(self._actors)
+            }
+            self._started = time.monotonic()
+        except BaseException:
+            self._stop()
+            raise
+
+    def _local(self, rank: int) -> tuple[int, int]:
+        same = [r for r, node in enumerate(self._nodes) if node == self._nodes[rank]]
+        return same.index(rank), len(same)
+
+    def pids(self) -> list[int]:
+        """The process ids of the ranks' actors (on their nodes), by rank."""
+        return list(self._pids)
+
+    def nodes(self) -> list[str]:
+        """The Ray node id of each rank."""
+        return list(self._nodes)
+
+    @property
+    def results(self) -> list[Any]:
+        """The return values by rank, once ``join()`` returned True (after a failure or
+        ``terminate()``: those of the ranks that had finished, None for the others)."""
+        if not self._closed:
+            raise RuntimeError(
+                "results are available once join() has returned True (or the ranks were "
+                "stopped by a failure or terminate())"
+            )
+        return list(self._results)
+
+    def __enter__(self) -> RayContext:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.terminate()
+
+    def terminate(self, grace_period: float | None = None) -> None:
+        """Stop every rank still running (``ray.kill``, at once: ``grace_period`` is
+        accepted for ``ProcessContext``'s signature), remove the placement group, and shut
+        down a local cluster procspawn started. Later ``join()`` calls return True."""
+        self._stop()
+
+    def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
+        """Wait for the ranks: True when all finished (``results`` ready), False when
+        ``timeout`` passed. Raises as ``ProcessContext.join`` does: the first failure,
+        whatever rank, after every other rank was stopped (``grace_period`` is accepted
+        for the same signature; ``ray.kill`` stops an actor at once)."""
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while self._pending:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                tick = _TICK if remaining is None else min(_TICK, remaining)
+                ready, _ = self._ray.wait(list(self._pending), num_returns=1, timeout=tick)
+                for ref in ready:
+                    self._take(ref, self._pending.pop(ref))
+        except ProcessException as exc:
+            self._fail(exc)
+            raise
+        except BaseException as exc:  # Ctrl-C, or anything else that stops us waiting
+            self._fail(
+                ProcessException(
+                    f"the ranks were stopped: the parent got {type(exc).__name__} while "
+                    f"joining them",
+                    -1,
+                    -1,
+                )
+            )
+            raise
+        self._stop()
+        return True
+
+    def _take(self, ref: Any, rank: int) -> None:
+        pid = self._pids[rank]
+        try:
+            outcome = self._ray.get(ref)
+        except self._ray.exceptions.RayActorError as exc:
+            raise ProcessExitedException(
+                f"process {rank} (pid {pid}, Ray actor on node {self._nodes[rank][:12]}) "
+                f"terminated: its actor died: {exc}",
+                rank,
+                pid,
+                -1,
+                None,
+            ) from None
+        if outcome[0] == "ok":
+            self._results[rank] = pickle.loads(outcome[1])
+            self._done[rank] = True
+            return
+        _, blob, text = outcome
+        cause = None
+        if blob is not None:
+            try:
+                cause = pickle.loads(blob)
+            except Exception:
+                cause = None
+        raise ProcessRaisedException(
+            f"process {rank} (pid {pid}, Ray actor) terminated with the following error:\n{text}",
+            rank,
+            pid,
+        ) from (cause if isinstance(cause, BaseException) else None)
+
+    def _run_to_end(self, timeout: float | None) -> list[Any]:
+        if self.join(timeout):
+            return self.results
+        running = [r for r, done in enumerate(self._done) if not done]
+        elapsed = time.monotonic() - self._started
+        listed = ", ".join(f"{r} (pid {self._pids[r]})" for r in running)
+        exc = ProcessTimeoutError(
+            f"spawn(backend='ray') timed out after {elapsed:.1f} s: rank(s) {listed} still "
+            f"running; every rank was stopped (ray.kill)",
+            running[0],
+            self._pids[running[0]],
+            running,
+            elapsed,
+        )
+        self._fail(exc)
+        raise exc
+
+    def _fail(self, exc: ProcessException) -> None:
+        self._stop()
+        exc.results = self.results
+        self._error = exc
+
+    def _stop(self) -> None:
+        """Kill every actor, remove the group, shut our own cluster down (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        ray = self._ray
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass  # already dead
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._group)
+            except Exception:
+                pass
+        self._actors = []
+        self._pending = {}
+        if self._owned:
+            ray.shutdown()

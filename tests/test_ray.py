@@ -1,0 +1,212 @@
+"""spawn(..., backend="ray"): the same rank function on a Ray cluster, with spawn's
+semantics. One local cluster for the module (2 CPUs, no dashboard, a small object store),
+shut down at the end; every test checks that nothing is left running on it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from _helpers import run_script, script_env
+
+import procspawn as mp
+from procspawn import sharing
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'procspawn[ray]')")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        logging_level="warning",
+        log_to_driver=True,
+    )
+    # Warm up: the driver's connections, the object store mapping, a worker or two, so
+    # that the leak check's baseline of each test sees them.
+    mp.spawn(_rank_and_world, nprocs=2, backend="ray", args=(np.ones(1 << 18),))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_the_cluster():
+    yield
+    deadline = time.monotonic() + 10
+    while True:
+        actors = [a["State"] for a in ray._private.state.actors().values()]
+        groups = [g["state"] for g in ray.util.placement_group_table().values()]
+        alive = [s for s in actors if s != "DEAD"] + [s for s in groups if s != "REMOVED"]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not alive, f"left on the cluster: actors {actors}, placement groups {groups}"
+
+
+def _rank_and_world(rank, *args):
+    return rank, os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]
+
+
+def _echo(rank, array, scale=1):
+    return rank, array.sum() * scale, array.flags.writeable, np.full(4, rank)
+
+
+def _fail_in(rank, bad_rank, slow_seconds):
+    if rank == bad_rank:
+        raise KeyError(f"rank {rank} lost its key")
+    time.sleep(slow_seconds)  # a sibling that would run on: it must be stopped
+    return rank
+
+
+def _pid_then_wait(rank, seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_results_by_rank_and_rank_environment():
+    assert mp.spawn(_rank_and_world, nprocs=2, backend="ray") == [
+        (0, "0", "2", "0"),
+        (1, "1", "2", "1"),
+    ]
+
+
+def test_arrays_in_read_only_and_out_writable():
+    array = np.arange(1 << 20, dtype=np.float64)  # 8 MiB, through the object store
+    results = mp.spawn(_echo, args=(array,), kwargs={"scale": 2}, nprocs=2, backend="ray")
+    for rank, (r, total, writeable, out) in enumerate(results):
+        assert r == rank and total == array.sum() * 2
+        assert writeable is False  # what a rank reads from Ray's object store is read-only
+        assert out.flags.writeable and np.array_equal(out, np.full(4, rank))
+
+
+def test_a_failing_rank_surfaces_with_its_traceback_and_the_others_stop():
+    started = time.monotonic()
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        mp.spawn(_fail_in, args=(1, 60), nprocs=2, backend="ray")
+    assert time.monotonic() - started < 20  # rank 0 (60 s of sleep) was not waited for
+    err = info.value
+    assert err.error_index == 1 and err.pid > 0
+    assert isinstance(err.__cause__, KeyError)
+    assert "Traceback (most recent call last)" in str(err) and "lost its key" in str(err)
+    assert "_fail_in" in str(err)
+    assert err.results == [None, None]
+
+
+def test_an_actor_killed_is_an_exited_rank():
+    ctx = mp.spawn(_pid_then_wait, args=(60,), nprocs=2, backend="ray", join=False)
+    assert not ctx.join(timeout=0.5)
+    os.kill(ctx.pids()[0], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(mp.ProcessExitedException) as info:
+        ctx.join(timeout=30)
+    assert time.monotonic() - started < 20
+    assert info.value.error_index == 0 and info.value.pid == ctx.pids()[0]
+    assert "actor died" in str(info.value)
+    with pytest.raises(mp.ProcessExitedException):
+        ctx.join()  # later joins raise it again
+
+
+def test_timeout_stops_every_rank():
+    with pytest.raises(mp.ProcessTimeoutError) as info:
+        mp.spawn(_pid_then_wait, args=(60,), nprocs=2, backend="ray", timeout=1.0)
+    assert info.value.ranks == [0, 1] and isinstance(info.value, TimeoutError)
+
+
+def test_join_false_polls_and_terminate_stops():
+    with mp.spawn(_pid_then_wait, args=(0.2,), nprocs=2, backend="ray", join=False) as ctx:
+        while not ctx.join(timeout=0.1):
+            pass
+        assert ctx.results == ctx.pids()
+    ctx = mp.spawn(_pid_then_wait, args=(60,), nprocs=2, backend="ray", join=False)
+    ctx.terminate()
+    assert ctx.join() is True and ctx.results == [None, None]
+
+
+def test_more_ranks_than_the_cluster_has_cpus_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="2 CPU.*3 ranks"):
+        mp.spawn(_rank_and_world, nprocs=3, backend="ray")
+
+
+def test_shared_memory_arrays_are_refused_in_the_parent():
+    shared = sharing.zeros(16)
+    with pytest.raises(ValueError, match="one machine only") as info:
+        mp.spawn(_echo, args=({"w": [shared]},), nprocs=1, backend="ray")
+    assert "args[0]['w'][0]" in str(info.value)
+
+
+def test_options_that_do_not_apply_are_refused():
+    with pytest.raises(ValueError, match="start_method"):
+        mp.spawn(_rank_and_world, nprocs=1, backend="ray", start_method="fork")
+    with pytest.raises(ValueError, match="unknown backend"):
+        mp.spawn(_rank_and_world, nprocs=1, backend="dask")
+    with pytest.raises(ValueError, match="ray_address"):
+        mp.spawn(_rank_and_world, nprocs=1, ray_address="auto")
+
+
+def test_without_ray_the_error_says_how_to_install_it_and_procspawn_never_imports_it():
+    code = textwrap.dedent(
+        """
+        import sys
+        import procspawn as mp
+
+        def f(rank):
+            return rank
+
+        if __name__ == "__main__":
+            assert mp.spawn(f, nprocs=1) == [0]
+            assert "ray" not in sys.modules, "import procspawn imported Ray"
+            sys.modules["ray"] = None  # as if it were not installed
+            try:
+                mp.spawn(f, nprocs=1, backend="ray")
+            except ImportError as exc:
+                print(type(exc).__name__, exc)
+        """
+    )
+    result = run_script(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("RayMissingError")
+    assert "pip install 'procspawn[ray]'" in result.stdout
+
+
+def test_a_local_cluster_of_its_own_is_shut_down_after():
+    code = textwrap.dedent(
+        """
+        import procspawn as mp
+        import ray
+
+        def f(rank):
+            return rank * 10
+
+        if __name__ == "__main__":
+            print(mp.spawn(f, nprocs=2, backend="ray"), ray.is_initialized())
+        """
+    )
+    env = dict(script_env())
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[0, 10] False"
+
+
+def test_ctrl_c_while_joining_stops_every_rank():
+    ctx = mp.spawn(_pid_then_wait, args=(60,), nprocs=2, backend="ray", join=False)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ctx.join()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(mp.ProcessException, match="KeyboardInterrupt"):
+        ctx.join()  # stopped: later joins say why

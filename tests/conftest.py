@@ -181,6 +181,14 @@ def leak_check():
     assert not problems, "; ".join(problems)
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The Ray tests run last. Ray's driver keeps native threads in this process after
+    ``ray.shutdown()``, which open and close descriptors now and then: in a later test a
+    descriptor number freed meanwhile (say by ``sharing.trim()``) would be taken by one
+    of them and reported as that test's leak."""
+    items.sort(key=lambda item: item.module.__name__ == "test_ray")
+
+
 START_METHODS = multiprocessing.get_all_start_methods()
 
 

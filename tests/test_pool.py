@@ -72,6 +72,20 @@ def _keys(out, n):
     return [out.get(timeout=30) for _ in range(n)]
 
 
+def _stream_to_a_consumer(n, start=0):
+    """Send n items to a consumer that drops each; return the segment keys it saw."""
+    q, out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_consume, args=(q, out, 0))
+    p.start()
+    _send_all(q, n, start=start)
+    q.put(None)
+    keys = _keys(out, n)
+    assert out.get(timeout=30) == ("kept", [])
+    p.join(30)
+    assert p.exitcode == 0
+    return keys
+
+
 def test_the_pool_works_here():
     assert _pool.usable(), "the kernel here does not count holders as the pool needs"
 
@@ -119,15 +133,9 @@ def test_segments_held_by_consumers_are_never_reused():
 
 
 def test_an_unread_message_keeps_its_segment():
-    unread, q, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    unread = ctx.Queue()
     _send_all(unread, 1, start=77)  # nobody reads it until the end
-    p = ctx.Process(target=_consume, args=(q, out, 0))
-    p.start()
-    _send_all(q, 10)
-    q.put(None)
-    _keys(out, 10)
-    out.get(timeout=30)
-    p.join(30)
+    _stream_to_a_consumer(10)
     value, array = unread.get(timeout=30)
     assert value == 77 and np.all(array == 77)
 
@@ -187,14 +195,7 @@ def test_a_start_message_read_by_several_ranks_keeps_its_segment():
 
 
 def test_trim_gives_everything_back():
-    q, out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_consume, args=(q, out, 0))
-    p.start()
-    _send_all(q, 3)
-    q.put(None)
-    _keys(out, 3)
-    out.get(timeout=30)
-    p.join(30)
+    _stream_to_a_consumer(3)
     assert _pool_maps() > 0
     assert sharing.trim() >= MIB
     assert _pool_maps() == 0

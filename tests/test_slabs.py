@@ -252,15 +252,18 @@ if __name__ == "__main__":
 """
 
 
-def test_out_of_descriptors_falls_back_to_file_system_once():
-    env = {"PROCSPAWN_SHARING_STRATEGY": ""}
-    result = subprocess.run(
-        [sys.executable, "-c", FD_FALLBACK, "default"],
+def _run_fallback_script(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", FD_FALLBACK, mode],
         capture_output=True,
         text=True,
         timeout=60,
-        env=dict(script_env(), **env),
+        env=dict(script_env(), PROCSPAWN_SHARING_STRATEGY=""),  # the default strategy
     )
+
+
+def test_out_of_descriptors_falls_back_to_file_system_once():
+    result = _run_fallback_script("default")
     assert result.returncode == 0, result.stderr
     first, strategies, received = result.stdout.splitlines()
     count, category, message = first.split(" ", 2)
@@ -268,13 +271,7 @@ def test_out_of_descriptors_falls_back_to_file_system_once():
     assert "ulimit -n" in message and "file_system" in message
     assert strategies == "['file_descriptor', 'file_system']"
     assert received == "True"
-    explicit = subprocess.run(
-        [sys.executable, "-c", FD_FALLBACK, "explicit"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=dict(script_env(), **env),
-    )
+    explicit = _run_fallback_script("explicit")
     assert explicit.returncode == 0, explicit.stderr
     name, made = explicit.stdout.split()
     assert name == "FdLimitError" and 0 < int(made) < 64  # the user chose: an error

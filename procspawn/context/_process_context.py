@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import pickle
 import signal
 import socket
 import threading
@@ -32,6 +31,7 @@ from ._errors import (
     ProcessRaisedException,
     ProcessTimeoutError,
     signal_name,
+    unpickled_cause,
 )
 from ._progress import Progress
 
@@ -306,12 +306,6 @@ class ProcessContext:
             self._results[rank] = message[1]
             return
         _, exc_blob, text = message
-        cause = None
-        if exc_blob is not None:
-            try:
-                cause = pickle.loads(exc_blob)
-            except Exception:
-                cause = None
         # Raised without a local name: a frame that refers to the exception it raises is a
         # reference cycle (exception -> traceback -> frame -> exception), and this frame
         # refers to the context, whose results (shared arrays) would wait for the cyclic
@@ -320,7 +314,7 @@ class ProcessContext:
             f"process {rank} (pid {pid}) terminated with the following error:\n{text}",
             rank,
             pid,
-        ) from (cause if isinstance(cause, BaseException) else None)
+        ) from unpickled_cause(exc_blob)
 
     def _on_exit(self, rank: int) -> None:
         proc = self.processes[rank]

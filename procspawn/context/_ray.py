@@ -35,6 +35,7 @@ from ._errors import (
     ProcessExitedException,
     ProcessRaisedException,
     ProcessTimeoutError,
+    unpickled_cause,
 )
 
 _OBJECT_STORE_BYTES = 256 << 20  # a local cluster of our own: a small object store
@@ -358,17 +359,11 @@ class RayContext:
             self._done[rank] = True
             return
         _, blob, text = outcome
-        cause = None
-        if blob is not None:
-            try:
-                cause = pickle.loads(blob)
-            except Exception:
-                cause = None
         raise ProcessRaisedException(
             f"process {rank} (pid {pid}, Ray actor) terminated with the following error:\n{text}",
             rank,
             pid,
-        ) from (cause if isinstance(cause, BaseException) else None)
+        ) from unpickled_cause(blob)
 
     def _run_to_end(self, timeout: float | None) -> list[Any]:
         if self.join(timeout):

@@ -354,6 +354,13 @@ class RayContext:
                 -1,
                 None,
             ) from None
+        except self._ray.exceptions.RayError as exc:  # Ray could not run the task at all
+            raise ProcessRaisedException(
+                f"process {rank} (pid {pid}, Ray actor) terminated with the following "
+                f"error:\nRay could not run it: {exc}",
+                rank,
+                pid,
+            ) from exc
         if outcome[0] == "ok":
             self._results[rank] = pickle.loads(outcome[1])
             self._done[rank] = True

@@ -163,15 +163,22 @@ def test_results_arrive_in_rank_order_whatever_finishes_first():
     assert mp.spawn(work, nprocs=3) == [0, 1, 2]
 
 
+def _announce_then_sleep(rank, up, seconds):
+    up.put(rank)
+    time.sleep(seconds)
+    return rank
+
+
 def test_ranks_started_from_a_thread_outlive_the_thread(start_method):
     # the kernel's parent-death signal follows the forking *thread*: it must not be used there
     box = {}
+    up = mp.get_context(start_method).SimpleQueue()
 
     def starter():
         box["ctx"] = mp.spawn(
-            sleep_then_return, args=(3.0,), nprocs=2, join=False, start_method=start_method
+            _announce_then_sleep, args=(up, 1.0), nprocs=2, join=False, start_method=start_method
         )
-        time.sleep(1.5)  # the ranks are up (and would have armed the signal) when we exit
+        assert sorted([up.get(), up.get()]) == [0, 1]  # up (the signal would be armed)
 
     thread = threading.Thread(target=starter)
     thread.start()

@@ -188,9 +188,10 @@ def start_processes(
             Ray's object store, read-only; procspawn shared arrays are refused (shared
             writes are one-machine only). ``start_method``, ``daemon``, ``progress`` and
             ``prefix_output`` do not apply to it.
-        ray_address: with ``backend="ray"``, the cluster to connect to; default:
-            ``RAY_ADDRESS``, else the Ray already initialised in this process, else a
-            local cluster started for this call and shut down after it.
+        ray_address: with ``backend="ray"``, the cluster to connect to (default
+            ``RAY_ADDRESS``), unless Ray is initialised in this process already (then that
+            one is used); with neither, a local cluster is started for this call and shut
+            down after it.
 
     Every rank has ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in its
     environment. Its stdout and stderr go through the parent, live, line by line

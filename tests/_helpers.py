@@ -116,13 +116,18 @@ def script_env() -> dict:
 
 
 def run_script(
-    code: str, timeout: float = 60, env_extra: dict | None = None, **kwargs
+    code: str,
+    timeout: float = 60,
+    env_extra: dict | None = None,
+    args: list[str] | None = None,
+    **kwargs,
 ) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with the repository on sys.path."""
+    """Run ``code`` in a fresh interpreter with the repository on sys.path (``args``:
+    its ``sys.argv[1:]``)."""
     env = script_env()
     env.update(env_extra or {})
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, "-c", code, *(args or [])],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
-from _helpers import run_script
+from _helpers import run_script, script_env
 
 import procspawn as mp
 from procspawn import sharing
 from procspawn.sharing import _pool
+from procspawn.sharing._file_system import KEPT_NAMES
+from procspawn.sharing._manager_main import holders
 from procspawn.sharing._segment import segment_of
 
 MIB = 1 << 20
@@ -22,15 +27,29 @@ ctx = mp.get_context("spawn")
 
 
 def _pool_maps() -> int:
-    """Bytes of pool segments this process keeps, seen in /proc/self/maps (``---s``)."""
+    """Bytes of pool segments this process keeps, seen in /proc/self/maps (``---s``
+    mappings of memfds and of /dev/shm names)."""
     total = 0
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(None, 5)
-            if len(fields) == 6 and fields[1] == "---s" and "/memfd:procspawn" in fields[5]:
+            if len(fields) == 6 and fields[1] == "---s" and _POOLED in fields[5]:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 total += end - start
     return total
+
+
+_POOLED = "procspawn"  # in "/memfd:procspawn (deleted)" and "/dev/shm/procspawn_..."
+
+
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def pooled(request):
+    """Each strategy whose send copies the pool keeps, made the current one."""
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy(request.param)
+    yield request.param
+    sharing.trim()
+    mp.set_sharing_strategy(previous)
 
 
 def _key(array: np.ndarray) -> object:
@@ -90,7 +109,7 @@ def test_the_pool_works_here():
     assert _pool.usable(), "the kernel here does not count holders as the pool needs"
 
 
-def test_steady_stream_reuses_a_segment():
+def test_steady_stream_reuses_a_segment(pooled):
     q, out = ctx.Queue(maxsize=1), ctx.Queue()
     p = ctx.Process(target=_consume, args=(q, out, 0))
     p.start()
@@ -104,7 +123,7 @@ def test_steady_stream_reuses_a_segment():
     assert 0 < _pool_maps() <= 3 * MIB
 
 
-def test_segments_held_by_consumers_are_never_reused():
+def test_segments_held_by_consumers_are_never_reused(pooled):
     q, out, forward, out2 = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     holder = ctx.Process(target=_consume, args=(q, out, 3))  # keeps every third
     passer_q = ctx.Queue()
@@ -132,7 +151,7 @@ def test_segments_held_by_consumers_are_never_reused():
     assert len(kept) == 10  # each kept array had a segment of its own
 
 
-def test_an_unread_message_keeps_its_segment():
+def test_an_unread_message_keeps_its_segment(pooled):
     unread = ctx.Queue()
     _send_all(unread, 1, start=77)  # nobody reads it until the end
     _stream_to_a_consumer(10)
@@ -146,7 +165,7 @@ def _hold_then_wait(q, out):
     q.get()  # held until killed
 
 
-def test_a_killed_consumer_gives_its_segment_back():
+def test_a_killed_consumer_gives_its_segment_back(pooled):
     sharing.trim()  # so that the oldest kept segment is the one the victim holds
     q, out = ctx.Queue(), ctx.Queue()
     victim = ctx.Process(target=_hold_then_wait, args=(q, out))
@@ -160,6 +179,10 @@ def test_a_killed_consumer_gives_its_segment_back():
     assert out2.get(timeout=30) != held_key  # still held by the victim: a new segment
     os.kill(pid, signal.SIGKILL)
     victim.join(30)
+    if pooled == "file_system":  # the daemon takes a dead holder out: wait until it has
+        deadline = time.monotonic() + 30
+        while pid in holders(held_key) and time.monotonic() < deadline:
+            time.sleep(0.02)
     _send_all(q2, 3, start=6)
     q2.put(None)
     later = _keys(out2, 3)
@@ -178,7 +201,7 @@ def _rank_holds_argument(rank, array, q, out, go):
     return _key(array)
 
 
-def test_a_start_message_read_by_several_ranks_keeps_its_segment():
+def test_a_start_message_read_by_several_ranks_keeps_its_segment(pooled):
     q, out, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
     argument = np.full(MIB, 7, np.uint8)
     context = mp.spawn(_rank_holds_argument, args=(argument, q, out, go), nprocs=3, join=False)
@@ -194,7 +217,7 @@ def test_a_start_message_read_by_several_ranks_keeps_its_segment():
     assert len(arg_keys) == 1 and not arg_keys & set(keys)
 
 
-def test_trim_gives_everything_back():
+def test_trim_gives_everything_back(pooled):
     _stream_to_a_consumer(3)
     assert _pool_maps() > 0
     assert sharing.trim() >= MIB
@@ -203,9 +226,10 @@ def test_trim_gives_everything_back():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
-def test_a_segment_alive_at_a_fork_is_never_reused():
+def test_a_segment_alive_at_a_fork_is_never_reused(pooled):
     before = _pool_maps()
-    segment = _pool.take(MIB)
+    kind = _pool.MEMFDS if pooled == "file_descriptor" else KEPT_NAMES
+    segment = _pool.take(MIB, kind)
     assert segment is not None
     pid = os.fork()
     if pid == 0:
@@ -215,7 +239,8 @@ def test_a_segment_alive_at_a_fork_is_never_reused():
     assert _pool_maps() == before
 
 
-def test_the_pool_is_bounded_and_can_be_turned_off():
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
     code = textwrap.dedent(
         """
         import numpy as np
@@ -229,7 +254,7 @@ def test_the_pool_is_bounded_and_can_be_turned_off():
             total = 0
             for line in open("/proc/self/maps"):
                 f = line.split(None, 5)
-                if len(f) == 6 and f[1] == "---s" and "/memfd:procspawn" in f[5]:
+                if len(f) == 6 and f[1] == "---s" and "procspawn" in f[5]:
                     a, b = (int(x, 16) for x in f[0].split("-"))
                     total += b - a
             return total
@@ -248,14 +273,156 @@ def test_the_pool_is_bounded_and_can_be_turned_off():
             print(pool_bytes())
         """
     )
-    bounded = run_script(code, env_extra={"PROCSPAWN_POOL_BYTES": str(2 * MIB)})
+    env = {"PROCSPAWN_SHARING_STRATEGY": strategy_name}
+    bounded = run_script(code, env_extra={**env, "PROCSPAWN_POOL_BYTES": str(2 * MIB)})
     assert bounded.returncode == 0, bounded.stderr
     assert 0 < int(bounded.stdout) <= 2 * MIB
-    off = run_script(code, env_extra={"PROCSPAWN_POOL_BYTES": "0"})
+    off = run_script(code, env_extra={**env, "PROCSPAWN_POOL_BYTES": "0"})
     assert off.returncode == 0, off.stderr
     assert int(off.stdout) == 0
-    bad = run_script(code, env_extra={"PROCSPAWN_POOL_BYTES": "lots"})
+    bad = run_script(code, env_extra={**env, "PROCSPAWN_POOL_BYTES": "lots"})
     assert bad.returncode != 0 and "PROCSPAWN_POOL_BYTES='lots'" in bad.stderr
+
+
+_STREAM = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import procspawn as mp
+
+    def drop(q):
+        while q.get() is not None:
+            pass
+
+    def pool_bytes():
+        total = 0
+        for line in open("/proc/self/maps"):
+            f = line.split(None, 5)
+            if len(f) == 6 and f[1] == "---s" and "procspawn" in f[5]:
+                a, b = (int(x, 16) for x in f[0].split("-"))
+                total += b - a
+        return total
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue(maxsize=1)
+        p = ctx.Process(target=drop, args=(q,))
+        p.start()
+        for i in range(5):
+            q.put(np.full(1 << 20, i, np.uint8))
+        q.put(None)
+        p.join()
+        deadline = time.monotonic() + 10
+        while pool_bytes() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the consumer's last drop reaches the pool
+        print(pool_bytes(), flush=True)
+        prefix = f"procspawn_{os.getpid()}_"
+        mine = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+        if sys.argv[1] == "idle":
+            time.sleep(1.5)
+            print(pool_bytes(), mine())
+        else:
+            print(mine(), flush=True)
+            if sys.argv[1] == "wait":
+                sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
+def test_a_segment_nobody_reuses_is_given_back_after_the_idle_time(strategy_name):
+    env = {"PROCSPAWN_SHARING_STRATEGY": strategy_name, "PROCSPAWN_POOL_IDLE": "0.3"}
+    result = run_script(_STREAM, env_extra=env, args=["idle"])
+    assert result.returncode == 0, result.stderr
+    kept, after = result.stdout.splitlines()
+    assert int(kept) > 0
+    assert after == "0 []"  # nothing kept, and no name of this process left in /dev/shm
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_names_the_pool_keeps_go_when_their_process_does(how):
+    env = {"PROCSPAWN_SHARING_STRATEGY": "file_system", "PROCSPAWN_POOL_IDLE": "60"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STREAM, "wait" if how == "sigkill" else "names"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**script_env(), **env},
+    )
+    try:
+        kept = int(proc.stdout.readline())
+        names = eval(proc.stdout.readline())  # a list of strings, printed by the script
+        assert kept > 0 and names, "the script's pool kept no named segment"
+        if how == "sigkill":
+            proc.kill()
+        else:
+            proc.stdin.close()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        if proc.stdin and not proc.stdin.closed:
+            proc.stdin.close()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/dev/shm/{n}") for n in names) and time.monotonic() < deadline:
+        time.sleep(0.05)  # after a SIGKILL, the tree's daemon frees them
+    assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+
+
+def test_running_out_of_descriptors_gives_back_the_pools_first():
+    code = textwrap.dedent(
+        """
+        import os, resource
+        import numpy as np
+        import procspawn as mp
+        from procspawn import sharing
+
+        def hold_all(q, n, done):
+            held = [q.get() for _ in range(n)]
+            done.put(len(held))
+            done.get()
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_descriptor")  # explicit: no fallback, an error
+            ctx = mp.get_context("spawn")
+            q, done, back = ctx.Queue(), ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=hold_all, args=(q, 20, back))
+            p.start()
+            for i in range(20):  # 20 pool memfds held by the consumer, then all kept here
+                q.put(np.full(1 << 20, i, np.uint8))
+            back.get()
+            back.put(None)
+            p.join()
+            while sharing._pool.kept_bytes() < 20 << 20:
+                pass
+            fds = len(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fds + 8, fds + 8))
+            held = [sharing.zeros(1 << 20, np.uint8) for _ in range(15)]
+            print(len(held), sharing._pool.kept_bytes())
+        """
+    )
+    result = run_script(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["15", "0"]
+
+
+def test_a_failure_in_the_second_copy_thread_is_raised(monkeypatch):
+    from procspawn.sharing import _ndarray
+
+    real = np.copyto
+    source = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: copied in two threads
+    target = np.empty_like(source)
+
+    def copyto(dst, src, **kwargs):
+        if dst.ctypes.data != target.ctypes.data:  # the second half
+            raise MemoryError("the second half failed")
+        real(dst, src, **kwargs)
+
+    monkeypatch.setattr(_ndarray.np, "copyto", copyto)
+    with pytest.raises(MemoryError, match="second half"):
+        _ndarray._copy(target, source)
 
 
 @pytest.mark.parametrize(

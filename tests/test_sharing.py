@@ -373,8 +373,10 @@ def test_arrays_of_a_strategy_class_defined_in_a_function_travel(start_method):
 def test_file_system_segments_are_private_and_freed():
     mp.set_sharing_strategy("file_system")
     try:
+        mine = f"procspawn_{os.getpid()}_"
+        before = {n for n in os.listdir("/dev/shm") if n.startswith(mine)}  # the pool's
         a = sharing.zeros(40_000)  # above the slab threshold: a segment of its own
-        [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
+        [name] = {n for n in os.listdir("/dev/shm") if n.startswith(mine)} - before
         assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
         del a
         import gc

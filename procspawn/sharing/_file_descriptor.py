@@ -61,8 +61,9 @@ class FileDescriptorStrategy(SharingStrategy):
         return _segment(fd, nbytes, (st.st_dev, st.st_ino))
 
     def allocate_for_copy(self, nbytes: int) -> Segment:
+        raise_fd_limit()
         with _fd_limit("a new shared-memory segment could not be created"):
-            pooled = _pool.take(nbytes)
+            pooled = _pool.take(nbytes, _pool.MEMFDS)
         return pooled if pooled is not None else self.allocate(nbytes)
 
     def reduce(self, segment: Segment) -> Any:

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .. import _log
-from . import _manager, _message
+from . import _manager, _message, _pool
 from ._limits import FdLimitError, reserve
 from ._manager_main import (
     HEADER,
@@ -44,12 +45,15 @@ from ._manager_main import (
     hold,
     let_go,
     mark_message,
+    only_holder,
     open_segment,
     segment_path,
     when_unlocked,
 )
-from ._segment import Segment
+from ._segment import Segment, map_fd
 from ._strategy import SharingStrategy
+
+_T = TypeVar("_T")
 
 
 def _release(name: str) -> None:
@@ -106,31 +110,81 @@ def _message_slot(name: str, fd: int, kind: str, state: _message.SendState) -> N
     state.on_abandon.append(lambda: drop_inflight(name, kind))
 
 
+def _create(nbytes: int, mapper: Callable[[int, str], _T]) -> _T:
+    """Make a new named segment with room for ``nbytes``, this process its only holder,
+    and map it with ``mapper(fd, name)`` (the descriptor is closed after)."""
+    name = f"{PREFIX}{os.getpid()}_{os.urandom(8).hex()}"
+    _manager.register(name)
+    try:
+        fd = os.open(segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        _manager.released(name, gone=True)
+        raise
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask: receivers check for exactly 0600
+            reserve(fd, nbytes, SHM_DIR, SHM_DIR, overhead=HEADER)
+            first_holder(fd)
+            return mapper(fd, name)
+        except BaseException:
+            os.unlink(segment_path(name))
+            _manager.released(name, gone=True)
+            raise
+    finally:
+        os.close(fd)
+
+
+class _KeptNames(_pool.Kind):
+    """The producer-side pool's side of named segments: the maker stays their holder
+    while it keeps them (see ``_pool``)."""
+
+    name = "file_system"
+    _limit: int | None = None
+
+    def limit(self) -> int:
+        if self._limit is None:  # a quarter of /dev/shm at most: 16 MiB in a container
+            try:
+                st = os.statvfs(SHM_DIR)
+                quarter = st.f_blocks * st.f_frsize // 4
+            except OSError:
+                quarter = 0
+            self._limit = min(_pool.LIMIT, quarter)
+        return self._limit
+
+    def make(self, capacity: int) -> _pool.Kept:
+        def mapper(fd: int, name: str) -> _pool.Kept:
+            address = map_fd(fd, HEADER + capacity)
+            return _pool.Kept(self, address, HEADER + capacity, HEADER, name, name=name)
+
+        return _create(capacity, mapper)
+
+    def nobody_else(self, kept: _pool.Kept) -> bool:
+        return only_holder(kept.name)  # type: ignore[arg-type]
+
+    def give_back(self, kept: _pool.Kept) -> None:
+        _pool.unmap(kept.address, kept.length)
+        _release(kept.name)  # type: ignore[arg-type]
+
+    def at_exit(self, kept: _pool.Kept) -> None:
+        _let_go(kept.name)  # type: ignore[arg-type]
+
+    def on_release(self, kept: _pool.Kept) -> Callable[[], Any]:
+        name: str = kept.name  # type: ignore[assignment]
+        return lambda: _release(name)
+
+
+KEPT_NAMES = _KeptNames()
+
+
 class FileSystemStrategy(SharingStrategy):
     """Named /dev/shm segments that list their holders; messages carry a descriptor."""
 
     def allocate(self, nbytes: int) -> Segment:
-        name = f"{PREFIX}{os.getpid()}_{os.urandom(8).hex()}"
-        _manager.register(name)
-        try:
-            fd = os.open(
-                segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-            )
-        except BaseException:
-            _manager.released(name, gone=True)
-            raise
-        try:
-            try:
-                os.fchmod(fd, 0o600)  # whatever the umask: receivers check for exactly 0600
-                reserve(fd, nbytes, SHM_DIR, SHM_DIR, overhead=HEADER)
-                first_holder(fd)
-                return _map_named(fd, name, nbytes)
-            except BaseException:
-                os.unlink(segment_path(name))
-                _manager.released(name, gone=True)
-                raise
-        finally:
-            os.close(fd)
+        return _create(nbytes, lambda fd, name: _map_named(fd, name, nbytes))
+
+    def allocate_for_copy(self, nbytes: int) -> Segment:
+        pooled = _pool.take(nbytes, KEPT_NAMES)
+        return pooled if pooled is not None else self.allocate(nbytes)
 
     def reduce(self, segment: Segment) -> Any:
         state = _message.sending()

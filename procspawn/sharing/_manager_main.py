@@ -359,6 +359,27 @@ def let_go(name: str, pid: int | None = None, every: bool = False) -> bool:
         os.close(fd)
 
 
+def only_holder(name: str) -> bool:
+    """Whether this process holds ``name`` exactly once and nothing else does: no other
+    process, no message (the producer-side pool's test that a name it keeps is free)."""
+    try:
+        fd = open_segment(name)
+    except OSError:
+        return False
+    try:
+        with _Locked(fd) as current:
+            if os.fstat(fd).st_nlink == 0:
+                return False
+            table = bytearray(current)
+            slot = _find(table, _slot_word(os.getpid()))
+            if slot < 0:
+                return False
+            table[slot : slot + 4] = _FREE
+            return _empty(table)
+    finally:
+        os.close(fd)
+
+
 def holders(name: str) -> list[int]:
     """The pids that hold a segment (empty when the name is gone)."""
     try:

@@ -1,37 +1,48 @@
-"""Level 2: the producer-side pool: memfd segments that carried a copy, kept for the next.
+"""Level 2: the producer-side pool: segments that carried a copy, kept for the next.
 
 Sending an array that is not in shared memory copies it into a new segment (see
 ``_reductions``). For a large array, making that segment costs more than the copy: the
 kernel allocates and zeroes every page as the copy first touches it, and frees them all
-once the receiver drops the array. Under ``file_descriptor``, the segment a send made is
-kept by the process that made it once every holder everywhere has let go, and the next
-send of a fitting size copies into it, its pages already in place.
+once the receiver drops the array. So the segment a send made is kept by the process that
+made it once every holder everywhere has let go, and the next send of a fitting size
+copies into it, its pages already in place.
 
-Who else holds it? The kernel knows. For a memfd it counts the files open for writing
-(``i_writecount``): the file ``memfd_create`` returns is not counted, a reopen through
-``/proc/self/fd`` is. A pooled segment is kept through one reopened file of its maker's;
-every message that carries it carries a reopen of its own, which the message holds while
-in flight and each receiver while it maps it (a mapping holds its file; receivers pass on
-what they received). A write lease (``F_SETLEASE``) is granted only when the counted files
-are exactly the caller's own: that is the test that no message and no process still holds
-the segment. It cannot be fooled by a receiver killed with SIGKILL, or by a message that
-is never read: the kernel drops their files. A self-test at first use checks these
-semantics on the running kernel, and the pool stays off if any differs. A fork copies the
-maker's mappings without a file of their own, so a segment alive at a fork is never
-reused.
+Who else holds it? That is a strategy's question (``Kind.nobody_else``):
+
+* ``file_descriptor``: the kernel knows. For a memfd it counts the files open for writing
+  (``i_writecount``): the file ``memfd_create`` returns is not counted, a reopen through
+  ``/proc/self/fd`` is. A pooled memfd is kept through one reopened file of its maker's;
+  every message that carries it carries a reopen of its own, which the message holds
+  while in flight and each receiver while it maps it (a mapping holds its file; receivers
+  pass on what they received). A write lease (``F_SETLEASE``) is granted only when the
+  counted files are exactly the caller's own: that is the test that no message and no
+  process still holds the segment. It cannot be fooled by a receiver killed with SIGKILL,
+  or by a message that is never read: the kernel drops their files. A self-test at first
+  use checks these semantics on the running kernel, and the pool stays off if any differs.
+* ``file_system``: the segment's table of holders knows (see ``_manager_main``). The
+  maker stays a holder of the name while the pool keeps it (so the daemon frees it if the
+  maker dies), and it is free when, under the table's lock, the maker is its only holder:
+  every receiver adds itself before it maps and takes itself out after it unmaps (the
+  daemon does that for one that was killed), and every message holds a slot of its own.
+
+A fork copies the maker's mappings without a file or a slot of their own, so a segment
+alive at a fork is never reused.
 
 Memory kept on purpose is explicit, bounded, visible and trimmable:
 
 * only segments made to carry a copy at a send are kept, never one the user holds an array
   over (``sharing.zeros``, ``share_memory_``), and none smaller than 256 KiB (those go in
   slabs);
-* at most ``PROCSPAWN_POOL_BYTES`` bytes (default: an eighth of the memory this process
-  may use, at most 2 GiB; 0 turns the pool off) in at most 64 segments, counting those
-  still held elsewhere;
+* at most ``PROCSPAWN_POOL_BYTES`` bytes (default: a sixteenth of the memory this process
+  may use, at most 1 GiB; 0 turns the pool off) in at most 64 segments, counting those
+  still held elsewhere; of these, ``file_system`` segments (which live in /dev/shm, 64 MiB
+  in a default container) at most a quarter of /dev/shm;
+* a segment nobody reused for ``PROCSPAWN_POOL_IDLE`` seconds (default 5) is given back:
+  a one-off large send keeps nothing for long;
 * a kept segment is mapped ``PROT_NONE``: ``---s`` in ``/proc/<pid>/maps``, which is how
   ``procspawn info`` shows it (and a stray pointer into it faults instead of writing);
 * ``procspawn.sharing.trim()`` gives everything back, and so does running short of memory
-  when a segment is made (then the allocation is tried once more).
+  or descriptors when a segment is made (then the allocation is tried once more).
 """
 
 from __future__ import annotations
@@ -43,7 +54,9 @@ import mmap
 import os
 import socket
 import threading
-import weakref
+import time
+from collections.abc import Callable
+from multiprocessing import util
 from typing import Any
 
 from ._segment import Segment, map_fd
@@ -65,40 +78,100 @@ def _default_limit() -> int:
             memory = min(memory, int(f.read()))
     except (OSError, ValueError):  # no cgroup v2 limit ("max")
         pass
-    return min(2 << 30, memory // 8)
+    return min(1 << 30, memory // 16)
 
 
-def _limit_from_env() -> int:
-    value = os.environ.get("PROCSPAWN_POOL_BYTES")
+def _from_env(variable: str, default: float, what: str) -> float:
+    value = os.environ.get(variable)
     if value is None or value == "":
-        return _default_limit()
+        return default
     try:
-        return max(0, int(value))
+        number = float(value)
     except ValueError:
-        raise ValueError(
-            f"PROCSPAWN_POOL_BYTES={value!r} is not a number of bytes (0 turns the "
-            f"producer-side pool off)"
-        ) from None
+        raise ValueError(f"{variable}={value!r} is not {what}") from None
+    return max(0.0, number)
 
 
-LIMIT = _limit_from_env()
+LIMIT = int(
+    _from_env(
+        "PROCSPAWN_POOL_BYTES",
+        _default_limit(),
+        "a number of bytes (0 turns the producer-side pool off)",
+    )
+)
+IDLE = _from_env(
+    "PROCSPAWN_POOL_IDLE",
+    5.0,
+    "a number of seconds (how long the pool keeps a segment nobody reuses)",
+)
 
 
-class _Kept:
-    __slots__ = ("fd", "address", "capacity", "key")
+class Kind:
+    """What the pool needs of a strategy's segments (one instance per strategy)."""
 
-    def __init__(self, fd: int, address: int, capacity: int, key: Any) -> None:
-        self.fd, self.address, self.capacity, self.key = fd, address, capacity, key
+    name = ""
+
+    def limit(self) -> int:
+        """Most bytes of this kind to keep."""
+        return LIMIT
+
+    def make(self, capacity: int) -> Kept:
+        """A new segment of ``capacity`` usable bytes, mapped read-write."""
+        raise NotImplementedError
+
+    def nobody_else(self, kept: Kept) -> bool:
+        """True when no process and no message but this process' pool holds it."""
+        raise NotImplementedError
+
+    def give_back(self, kept: Kept) -> None:
+        """Unmap it and let go of it for good (the pool no longer keeps it)."""
+        raise NotImplementedError
+
+    def at_exit(self, kept: Kept) -> None:
+        """This process exits keeping it: let go of what others would see."""
+
+    def forget_in_child(self, kept: Kept) -> None:
+        """A forked child inherited it: unmap, close, touch nothing shared."""
+        unmap(kept.address, kept.length)
+        if kept.fd >= 0:
+            os.close(kept.fd)
+
+    def on_release(self, kept: Kept) -> Callable[[], Any] | None:
+        """What the Segment runs when it is released for good (at exit, say)."""
+        return None
+
+
+class Kept:
+    """One pool segment: its mapping, and what its strategy needs to know it by."""
+
+    __slots__ = ("kind", "address", "length", "header", "fd", "key", "name", "since")
+
+    def __init__(
+        self,
+        kind: Kind,
+        address: int,
+        length: int,
+        header: int,
+        key: Any,
+        fd: int = -1,
+        name: str | None = None,
+    ) -> None:
+        self.kind, self.address, self.length, self.header = kind, address, length, header
+        self.key, self.fd, self.name = key, fd, name
+        self.since = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return self.length - self.header
 
 
 _lock = threading.Lock()
-_kept: dict[int, _Kept] = {}  # fd -> a segment the pool keeps, oldest first
-_kept_bytes = 0
-_returned: collections.deque[tuple[int, int, int]] = collections.deque()  # from GC callbacks
-_keys: dict[int, Any] = {}  # fd -> key, for segments of ours in use
-_live: weakref.WeakSet[Segment] = weakref.WeakSet()  # segments of ours in use
-_poisoned: set[int] = set()  # fds of segments alive at a fork: never reused
-_usable: bool | None = None
+_kept: dict[int, Kept] = {}  # map address -> a segment the pool keeps, oldest first
+_kept_bytes: collections.Counter[str] = collections.Counter()  # kind name -> bytes kept
+_out: dict[int, Kept] = {}  # map address -> a pool segment in use in this process
+_returned: collections.deque[int] = collections.deque()  # from GC callbacks: addresses
+_poisoned: set[int] = set()  # map addresses of segments alive at a fork: never reused
+_keeper: threading.Thread | None = None
 
 
 def capacity_for(nbytes: int) -> int:
@@ -106,6 +179,159 @@ def capacity_for(nbytes: int) -> int:
     pages (a steady stream of one size reuses exactly; at most 1/8 is spare)."""
     step = max(mmap.PAGESIZE, 1 << max(0, (nbytes - 1).bit_length() - 3))
     return -(-nbytes // step) * step
+
+
+def take(nbytes: int, kind: Kind) -> Segment | None:
+    """A segment of at least ``nbytes`` for a copy to be sent (its old bytes are left as
+    they are): a kept one when one fits and nobody holds it, else a new one the pool will
+    keep. None when the pool is off for ``kind``, ``nbytes`` is small, or it is too big."""
+    if nbytes < MIN_BYTES:
+        return None
+    capacity = capacity_for(nbytes)
+    if capacity > kind.limit():
+        return None
+    with _lock:
+        _take_returned()
+        kept = _reuse(capacity, kind)
+        if kept is not None:
+            if _libc.mprotect(kept.address, kept.length, mmap.PROT_READ | mmap.PROT_WRITE):
+                kind.give_back(kept)
+                kept = None
+            else:
+                return _segment(kept)
+    kept = kind.make(capacity)
+    with _lock:
+        return _segment(kept)
+
+
+def _segment(kept: Kept) -> Segment:
+    # with _lock held: a fork in between must see it out (and poison it)
+    segment = Segment(
+        address=kept.address + kept.header,
+        size=kept.capacity,
+        strategy=kept.kind.name,
+        key=kept.key,
+        map_address=kept.address,
+        map_length=kept.length,
+        fd=kept.fd,
+        name=kept.name,
+        on_release=kept.kind.on_release(kept),
+        recycle=_recycle,
+    )
+    _out[kept.address] = kept
+    return segment
+
+
+def is_pooled(segment: Segment) -> bool:
+    """Whether ``segment`` is one of this process' pool segments (mapped at its start)."""
+    kept = _out.get(segment.address)
+    return kept is not None and kept.kind is MEMFDS
+
+
+def unmap(address: int, length: int) -> None:
+    _libc.munmap(address, length)
+
+
+def _recycle(address: int, length: int, fd: int) -> None:
+    # A weak-reference callback: it may run inside any code, this module's locked
+    # sections included, so it queues, and keeps at once only if the lock is free.
+    try:
+        _returned.append(address)
+        if _lock.acquire(blocking=False):
+            try:
+                _take_returned()
+            finally:
+                _lock.release()
+    except Exception:  # interpreter teardown: the pages go with the process
+        pass
+
+
+def _take_returned() -> None:
+    """Keep what came back since the last call, while there is room (with _lock held)."""
+    global _keeper
+    while _returned:
+        address = _returned.popleft()
+        kept = _out.pop(address, None)
+        if kept is None:
+            continue
+        if address in _poisoned or not _room(kept):
+            _poisoned.discard(address)
+            kept.kind.give_back(kept)
+            continue
+        _libc.mprotect(kept.address, kept.length, _PROT_NONE)
+        kept.since = time.monotonic()
+        _kept[address] = kept
+        _kept_bytes[kept.kind.name] += kept.length
+        if _keeper is None and IDLE > 0:
+            _keeper = threading.Thread(target=_give_back_idle, name="procspawn-pool")
+            _keeper.daemon = True
+            _keeper.start()
+
+
+def _room(kept: Kept) -> bool:
+    """Make room for ``kept``, dropping the oldest kept first; False if it cannot fit."""
+    limit = kept.kind.limit()
+    if kept.length > limit:
+        return False
+    name = kept.kind.name
+    while _kept and (sum(_kept_bytes.values()) + kept.length > LIMIT or len(_kept) >= MAX_SEGMENTS):
+        _drop(next(iter(_kept)))
+    while _kept_bytes[name] + kept.length > limit:
+        _drop(next(a for a, k in _kept.items() if k.kind.name == name))
+    return True
+
+
+def _reuse(capacity: int, kind: Kind) -> Kept | None:
+    """The oldest kept segment of ``kind`` and ``capacity`` that nobody else holds, taken
+    out of the pool (with _lock held)."""
+    for address, kept in _kept.items():
+        if kept.kind is kind and kept.capacity == capacity and kind.nobody_else(kept):
+            del _kept[address]
+            _kept_bytes[kind.name] -= kept.length
+            return kept
+    return None
+
+
+def _drop(address: int) -> None:
+    kept = _kept.pop(address)
+    _kept_bytes[kept.kind.name] -= kept.length
+    kept.kind.give_back(kept)
+
+
+def _give_back_idle() -> None:
+    """Give back what nobody reused for IDLE seconds; stop once nothing is kept."""
+    global _keeper
+    while True:
+        with _lock:
+            _take_returned()
+            now = time.monotonic()
+            for address in [a for a, k in _kept.items() if now - k.since >= IDLE]:
+                _drop(address)
+            if not _kept:
+                _keeper = None
+                return
+            wait = min(k.since for k in _kept.values()) + IDLE - now
+        time.sleep(max(wait, 0.0) + 0.01)
+
+
+def trim() -> int:
+    """Give back every segment the pool keeps; returns how many bytes it kept."""
+    with _lock:
+        _take_returned()
+        kept = sum(_kept_bytes.values())
+        while _kept:
+            _drop(next(iter(_kept)))
+    return kept
+
+
+def kept_bytes() -> int:
+    """How many bytes the pool keeps now (``procspawn info``, tests)."""
+    with _lock:
+        _take_returned()
+        return sum(_kept_bytes.values())
+
+
+# -- file_descriptor: memfds ----------------------------------------------------------
 
 
 def _reopen(fd: int) -> int:
@@ -159,160 +385,106 @@ def _self_test() -> bool:
         os.close(fd)
 
 
+class _Memfds(Kind):
+    name = "file_descriptor"
+    _usable: bool | None = None
+
+    def limit(self) -> int:
+        if self._usable is None:
+            self._usable = LIMIT > 0 and _self_test()
+        return LIMIT if self._usable else 0
+
+    def make(self, capacity: int) -> Kept:
+        first = os.memfd_create("procspawn", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(first, capacity)
+            st = os.fstat(first)
+            fd = _reopen(first)
+        finally:
+            os.close(first)
+        try:
+            address = map_fd(fd, capacity)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Kept(self, address, capacity, 0, (st.st_dev, st.st_ino), fd=fd)
+
+    def nobody_else(self, kept: Kept) -> bool:
+        return _nobody_else(kept.fd)
+
+    def give_back(self, kept: Kept) -> None:
+        unmap(kept.address, kept.length)
+        os.close(kept.fd)
+
+
+MEMFDS = _Memfds()
+
+
 def usable() -> bool:
-    """Whether this process pools (a limit above 0 and a kernel that passes the test)."""
-    global _usable
-    if _usable is None:
-        _usable = LIMIT > 0 and _self_test()
-    return _usable
-
-
-def take(nbytes: int) -> Segment | None:
-    """A segment of at least ``nbytes`` for a copy to be sent (its old bytes are left as
-    they are): a kept one when one fits and nobody holds it, else a new one the pool will
-    keep. None when the pool is off, ``nbytes`` is small, or the pool is full."""
-    if nbytes < MIN_BYTES or not usable():
-        return None
-    capacity = capacity_for(nbytes)
-    if capacity > LIMIT:
-        return None
-    with _lock:
-        _take_returned()
-        kept = _reuse(capacity)
-    if _returned:  # a collection ran while the lock was held
-        with _lock:
-            _take_returned()
-    if kept is not None:
-        if _libc.mprotect(kept.address, capacity, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
-            _unmap(kept.address, capacity, kept.fd)
-            return None
-        return _segment(kept)
-    first = os.memfd_create("procspawn", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(first, capacity)
-        st = os.fstat(first)
-        fd = _reopen(first)
-    finally:
-        os.close(first)
-    try:
-        address = map_fd(fd, capacity)
-    except BaseException:
-        os.close(fd)
-        raise
-    return _segment(_Kept(fd, address, capacity, (st.st_dev, st.st_ino)))
-
-
-def _segment(kept: _Kept) -> Segment:
-    segment = Segment(
-        address=kept.address,
-        size=kept.capacity,
-        strategy="file_descriptor",
-        key=kept.key,
-        map_address=kept.address,
-        map_length=kept.capacity,
-        fd=kept.fd,
-        recycle=_recycle,
-    )
-    _keys[kept.fd] = kept.key
-    _live.add(segment)
-    return segment
-
-
-def is_pooled(segment: Segment) -> bool:
-    """Whether ``segment`` is one of this process' pool segments (sent as a reopen)."""
-    return segment in _live
+    """Whether this process pools memfds (a limit above 0 and a kernel that passes)."""
+    return MEMFDS.limit() > 0
 
 
 def file_to_send(segment: Segment) -> int:
-    """A new file of a pool segment for one message, which the message owns."""
+    """A new file of a pool memfd for one message, which the message owns."""
     return _reopen(segment.fd)
 
 
-def _recycle(address: int, length: int, fd: int) -> None:
-    # A weak-reference callback: it may run inside any code, this module's locked
-    # sections included, so it queues, and keeps at once only if the lock is free.
-    _returned.append((address, length, fd))
-    if _lock.acquire(blocking=False):
-        try:
-            _take_returned()
-        finally:
+# -- per process ----------------------------------------------------------------------
+
+
+def _at_exit() -> None:
+    # Threads may still run: the lock is taken if it can be, and the mappings stay (an
+    # array may still be read during teardown; the pages go with the process).
+    locked = _lock.acquire(timeout=1.0)
+    try:
+        for kept in list(_kept.values()):
+            try:
+                kept.kind.at_exit(kept)
+            except Exception:
+                pass
+        _kept.clear()
+        _kept_bytes.clear()
+    finally:
+        if locked:
             _lock.release()
 
 
-def _take_returned() -> None:
-    """Keep what came back since the last call, while there is room (with _lock held)."""
-    global _kept_bytes
-    while _returned:
-        address, capacity, fd = _returned.popleft()
-        key = _keys.pop(fd, None)
-        if fd in _poisoned or key is None or not _room(capacity):
-            _poisoned.discard(fd)
-            _unmap(address, capacity, fd)
-            continue
-        _libc.mprotect(address, capacity, _PROT_NONE)
-        _kept[fd] = _Kept(fd, address, capacity, key)
-        _kept_bytes += capacity
+def _register_exit() -> None:
+    util.Finalize(None, _at_exit, exitpriority=-100)
 
 
-def _room(capacity: int) -> bool:
-    """Make room for ``capacity`` more bytes kept, dropping the oldest kept first."""
-    while _kept and (_kept_bytes + capacity > LIMIT or len(_kept) >= MAX_SEGMENTS):
-        _drop(next(iter(_kept)))
-    return capacity <= LIMIT
+class _AfterFork:
+    pass
 
 
-def _reuse(capacity: int) -> _Kept | None:
-    """The oldest kept segment of ``capacity`` that nobody else holds, taken out of the
-    pool (with _lock held)."""
-    global _kept_bytes
-    for fd, kept in _kept.items():
-        if kept.capacity == capacity and _nobody_else(fd):
-            del _kept[fd]
-            _kept_bytes -= capacity
-            return kept
-    return None
-
-
-def _drop(fd: int) -> None:
-    global _kept_bytes
-    kept = _kept.pop(fd)
-    _kept_bytes -= kept.capacity
-    _unmap(kept.address, kept.capacity, kept.fd)
-
-
-def _unmap(address: int, length: int, fd: int) -> None:
-    _libc.munmap(address, length)
-    os.close(fd)
-
-
-def trim() -> int:
-    """Give back every segment the pool keeps; returns how many bytes it kept."""
-    with _lock:
-        _take_returned()
-        kept = _kept_bytes
-        while _kept:
-            _drop(next(iter(_kept)))
-    return kept
+_after_fork_anchor = _AfterFork()
+_register_exit()
+util.register_after_fork(_after_fork_anchor, lambda _: _register_exit())
 
 
 def _poison_live() -> None:
-    for segment in list(_live):
-        _poisoned.add(segment.fd)
+    # No lock (a thread holding it may wait for one a forking thread holds): a segment
+    # taken out of the pool at this very moment is in neither table, which costs the child
+    # one stray mapping it has no array over, and the parent nothing.
+    _poisoned.update(_out)
 
 
 def _reset_after_fork() -> None:
-    # The child got copies of the parent's kept mappings and files: it gives them back
-    # (they are the parent's to reuse) and starts with an empty pool.
-    global _lock, _kept_bytes
+    # The child got copies of the parent's kept mappings (and memfd files): it gives them
+    # back, touching nothing shared (they are the parent's to reuse), and starts empty.
+    global _lock, _keeper
     _lock = threading.Lock()
+    _keeper = None
     for kept in _kept.values():
-        _unmap(kept.address, kept.capacity, kept.fd)
+        kept.kind.forget_in_child(kept)
+    while _returned:  # dead already, not kept yet
+        dead = _out.get(_returned.popleft())
+        if dead is not None:
+            dead.kind.forget_in_child(dead)
     _kept.clear()
-    while _returned:
-        _unmap(*_returned.popleft())
-    _kept_bytes = 0
-    _keys.clear()
-    _live.clear()
+    _kept_bytes.clear()
+    _out.clear()
     _poisoned.clear()
 
 

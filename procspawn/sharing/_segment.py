@@ -111,11 +111,11 @@ def _collected(
         pid, address, length, fd, on_release, recycle = args
         if getpid() == pid:  # not a forked child that merely inherited it
             if recycle is not None:
-                recycle(address, length, fd)  # the pool takes the mapping and fd over
-            else:
-                munmap(address, length)
-                if fd >= 0:
-                    close(fd)
+                recycle(address, length, fd)  # the pool keeps it, or lets it go itself
+                return
+            munmap(address, length)
+            if fd >= 0:
+                close(fd)
             if on_release is not None:
                 on_release()
 
@@ -245,9 +245,11 @@ _data_pointer: Callable[[Any], int] | None = None
 class Block:
     """The part of a Segment (a slab, see ``_slabs``) that one small array owns.
 
-    An array carved out of a slab is built over ``np.asarray(block)``: NumPy stops its
-    ``.base`` chain at this object, so neither the array, nor its views, nor its ``.base``
-    reach the neighbours that share the slab.
+    An array carved out of a slab is built over ``np.asarray(block)``, a uint8 array of
+    exactly its own bytes: the array, its views and the ndarrays on its ``.base`` chain
+    span only the block, never a neighbour that shares the slab. The chain goes on to the
+    Block and, through ``Block.base``, to the slab's Segment (which it keeps alive):
+    ``np.asarray`` of that Segment, like that of any buffer's owner, spans the whole slab.
     """
 
     __slots__ = ("base", "start", "length", "__array_interface__", "__weakref__")

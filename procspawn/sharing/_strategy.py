@@ -191,33 +191,46 @@ def allocate(nbytes: int, for_copy: bool = False) -> Segment:
     """A new Segment of ``nbytes`` from the current strategy, known to this process' cache.
 
     ``for_copy``: a send is about to fill all of it (the strategy may reuse a segment).
-    Short of shared memory, the producer-side pool is given back and it is tried again.
+    Short of shared memory or of descriptors, the producer-side pool is given back and it
+    is tried again; then, under the default strategy, a process short of descriptors
+    makes its segments under ``file_system`` (see ``_fall_back``).
     """
     _registry.load_plugins()  # its arrays may go through any channel, the stdlib's too
     global _short
     strategy = current()
-    make = strategy.allocate_for_copy if for_copy else strategy.allocate
     may_fall_back = strategy.name == "file_descriptor" and not (_explicit or os.environ.get(_ENV))
-    if may_fall_back and _short and _fds_short():
-        segment = _fall_back(nbytes)
+    fell_back = may_fall_back and _short and _fds_short()
+    if fell_back:
+        segment = _fall_back(nbytes, for_copy)
     else:
         try:
-            segment = make(nbytes)
+            segment = _make(strategy, nbytes, for_copy)
         except FdLimitError:
             if not may_fall_back:
                 raise
-            segment = _fall_back(nbytes)
-        except OSError as exc:
-            if not (isinstance(exc, SharedMemoryFullError) or exc.errno == errno.ENOMEM):
-                raise
-            if not _pool.trim():
-                raise
-            segment = make(nbytes)
-        _short = may_fall_back and segment.fd >= _reserve_mark()
+            segment, fell_back = _fall_back(nbytes, for_copy), True
+    _short = may_fall_back and (fell_back or segment.fd >= _reserve_mark())
     _log.debug("allocated %r", segment)
     with _mapcache.lock():
         _mapcache.remember(segment)
     return segment
+
+
+def _make(strategy: SharingStrategy, nbytes: int, for_copy: bool) -> Segment:
+    """``strategy``'s new segment; out of memory or descriptors, once more after the
+    producer-side pool gave back what it keeps (memory, and a descriptor per memfd)."""
+    make = strategy.allocate_for_copy if for_copy else strategy.allocate
+    try:
+        return make(nbytes)
+    except OSError as exc:
+        short = isinstance(exc, (SharedMemoryFullError, FdLimitError)) or exc.errno in (
+            errno.ENOMEM,
+            errno.EMFILE,
+            errno.ENFILE,
+        )
+        if not short or not _pool.trim():
+            raise
+    return make(nbytes)
 
 
 def _reserve_mark() -> int:
@@ -237,7 +250,7 @@ def _fds_short() -> bool:
     return fd >= _reserve_mark()
 
 
-def _fall_back(nbytes: int) -> Segment:
+def _fall_back(nbytes: int, for_copy: bool) -> Segment:
     """This process is out of descriptors under the default strategy: make the segment
     under ``file_system`` instead (its arrays hold none), and say so once."""
     global _fell_back
@@ -255,4 +268,4 @@ def _fall_back(nbytes: int) -> Segment:
         )
     fallback = strategy_named("file_system")
     assert fallback is not None
-    return fallback.allocate(nbytes)
+    return _make(fallback, nbytes, for_copy)

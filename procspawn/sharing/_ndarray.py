@@ -117,11 +117,23 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src, casting="no")
         return
     half = dst.shape[0] // 2
-    other = threading.Thread(
-        target=np.copyto, args=(dst[half:], src[half:]), kwargs={"casting": "no"}
-    )
-    other.start()
+    failed: list[BaseException] = []
+
+    def copy_second_half() -> None:
+        try:
+            np.copyto(dst[half:], src[half:], casting="no")
+        except BaseException as exc:  # re-raised by the caller's thread
+            failed.append(exc)
+
+    other = threading.Thread(target=copy_second_half, name="procspawn-copy", daemon=True)
+    try:
+        other.start()
+    except RuntimeError:  # no thread to be had (at interpreter shutdown, say): one does it
+        np.copyto(dst, src, casting="no")
+        return
     try:
         np.copyto(dst[:half], src[:half], casting="no")
     finally:
         other.join()
+    if failed:
+        raise failed[0]

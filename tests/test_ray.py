@@ -4,6 +4,7 @@ shut down at the end; every test checks that nothing is left running on it."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -142,6 +143,71 @@ def test_shared_memory_arrays_are_refused_in_the_parent():
     assert "args[0]['w'][0]" in str(info.value)
 
 
+class _Slotted:
+    __slots__ = ("weights",)
+
+    def __init__(self, weights):
+        self.weights = weights
+
+
+def test_shared_arrays_in_slots_and_object_arrays_are_refused_too():
+    shared = sharing.zeros(16)
+    with pytest.raises(ValueError, match=r"args\[0\]\.weights"):
+        mp.spawn(_echo, args=(_Slotted(shared),), nprocs=1, backend="ray")
+    boxed = np.empty(2, dtype=object)
+    boxed[1] = shared
+    with pytest.raises(ValueError, match=r"kwargs\['scale'\]\.flat\[1\]"):
+        mp.spawn(_echo, args=(np.ones(2),), kwargs={"scale": boxed}, nprocs=1, backend="ray")
+
+
+def _exit_with(rank, code):
+    sys.exit(code)
+
+
+def test_sys_exit_in_a_rank_is_its_exit_code_as_with_processes():
+    with pytest.raises(mp.ProcessExitedException, match="exit code 3") as info:
+        mp.spawn(_exit_with, args=(3,), nprocs=1, backend="ray")
+    assert info.value.exit_code == 3
+    assert mp.spawn(_exit_with, args=(0,), nprocs=1, backend="ray") == [None]
+
+
+def _return_a_lock(rank):
+    import threading
+
+    return threading.Lock()
+
+
+def _raise_on_load():
+    raise RuntimeError("this result cannot be rebuilt here")
+
+
+class _BadOnLoad:
+    def __reduce__(self):
+        return (_raise_on_load, ())
+
+
+def _return_bad_on_load(rank):
+    return _BadOnLoad()
+
+
+def test_results_that_cannot_travel_are_errors_that_say_so():
+    with pytest.raises(mp.ProcessRaisedException, match="return value of rank 0 could not be"):
+        mp.spawn(_return_a_lock, nprocs=1, backend="ray")
+    with pytest.raises(mp.ProcessRaisedException, match="could not unpickle") as info:
+        mp.spawn(_return_bad_on_load, nprocs=1, backend="ray")
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_context_dropped_without_join_stops_its_ranks():
+    ctx = mp.spawn(_pid_then_wait, args=(60,), nprocs=2, backend="ray", join=False)
+    assert len(ctx.pids()) == 2
+    del ctx
+    gc.collect()
+    groups = [g["state"] for g in ray.util.placement_group_table().values()]
+    assert all(state == "REMOVED" for state in groups), groups  # at once, not later
+    # (and the autouse check waits for every actor to be DEAD)
+
+
 def test_options_that_do_not_apply_are_refused():
     with pytest.raises(ValueError, match="start_method"):
         mp.spawn(_rank_and_world, nprocs=1, backend="ray", start_method="fork")
@@ -179,13 +245,26 @@ def test_without_ray_the_error_says_how_to_install_it_and_procspawn_never_import
 def test_a_local_cluster_of_its_own_is_shut_down_after():
     code = textwrap.dedent(
         """
+        import time
         import procspawn as mp
         import ray
 
         def f(rank):
             return rank * 10
 
+        def slow(rank):
+            time.sleep(1.0)
+            return "slow"
+
         if __name__ == "__main__":
+            # two contexts on the cluster procspawn started: the first to finish must
+            # not shut it down under the other
+            a = mp.spawn(f, nprocs=1, backend="ray", join=False)
+            b = mp.spawn(slow, nprocs=1, backend="ray", join=False)
+            assert a.join(60) and a.results == [0]
+            assert ray.is_initialized(), "the cluster went with the first context"
+            assert b.join(60) and b.results == ["slow"]
+            print(ray.is_initialized())
             print(mp.spawn(f, nprocs=2, backend="ray"), ray.is_initialized())
         """
     )
@@ -195,7 +274,7 @@ def test_a_local_cluster_of_its_own_is_shut_down_after():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "[0, 10] False"
+    assert result.stdout.splitlines()[-2:] == ["False", "[0, 10] False"]
 
 
 def test_ctrl_c_while_joining_stops_every_rank():

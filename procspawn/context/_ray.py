@@ -11,7 +11,8 @@
             run(rank) on every actor  ──▶  ("ok", pickled result) | ("error", exc, traceback)
             join: ray.wait on every rank at once; the first failure (a raise, or an actor
                   that died) stops the others (ray.kill) and removes the group
-    close:  every actor killed, the group removed, our own cluster shut down
+    close:  every actor killed, the group removed, our own cluster shut down once no
+            context uses it (also when a context is dropped without join or terminate)
 
 Ray is imported only here, when ``backend="ray"`` is asked for: ``import procspawn`` never
 imports it. Results travel back pickled by the rank (cloudpickle), so the parent's values
@@ -23,8 +24,11 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import threading
 import time
 import traceback
+import types
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -82,6 +86,9 @@ def refuse_shared_arrays(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
 
 
 def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """Every object reachable from args and kwargs through containers, attributes
+    (``__dict__``, ``__slots__``) and object arrays, with where it is."""
+    ndarray = sys.modules["numpy"].ndarray
     stack: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
     stack += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
     seen: set[int] = set()
@@ -95,8 +102,18 @@ def _walk(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, 
             stack += [(f"{where}[{k!r}]", v) for k, v in obj.items()]
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack += [(f"{where}[{i}]", v) for i, v in enumerate(obj)]
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            stack += [(f"{where}.{k}", v) for k, v in vars(obj).items()]
+        elif isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue  # pickled by reference (or by code): not a container of data
+        elif isinstance(obj, ndarray) and obj.dtype.kind == "O":
+            stack += [(f"{where}.flat[{i}]", v) for i, v in enumerate(obj.flat)]
+        else:
+            if hasattr(obj, "__dict__"):
+                stack += [(f"{where}.{k}", v) for k, v in vars(obj).items()]
+            for cls in type(obj).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                for slot in (slots,) if isinstance(slots, str) else slots:
+                    if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                        stack.append((f"{where}.{slot}", getattr(obj, slot)))
 
 
 class _Rank:
@@ -127,18 +144,34 @@ class _Rank:
             WORLD_SIZE=str(world),
             LOCAL_WORLD_SIZE=str(local_world),
         )
+        what = ""
         try:
             # in a list, so that Ray left it to us to fetch, once the path is in place
             fn, args, kwargs = ray.get(payload[0])
-            result = fn(rank, *args, **kwargs)
+            try:
+                result = fn(rank, *args, **kwargs)
+            except SystemExit as exc:  # as a process that exits: its code, no result
+                return ("exit", _exit_code(exc.code), None)
+            what = f"the return value of rank {rank} could not be pickled: "
             return ("ok", cloudpickle.dumps(result))
         except BaseException as exc:  # KeyboardInterrupt included: it is a failure
             text = traceback.format_exc()
+            if what:
+                text = f"{what}{type(exc).__name__}: {exc}\n\n{text}"
             try:
                 blob = cloudpickle.dumps(exc)
             except Exception:
                 blob = None
             return ("error", blob, text)
+
+
+def _exit_code(code: Any) -> int:
+    """The exit status ``sys.exit(code)`` gives a process."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    return 1  # a message: printed, status 1
 
 
 _actor_classes: dict[int, Any] = {}
@@ -151,23 +184,45 @@ def _actor_class(ray: Any) -> Any:
     return cls
 
 
+# A local cluster procspawn started is shared by every RayContext running on it (and by
+# whatever else in this process uses Ray meanwhile): it is shut down when the last of
+# those contexts is closed, never under another one.
+_cluster_lock = threading.Lock()
+_cluster_users = 0  # open contexts on a cluster of ours; 0 when it is not ours
+
+
 def _connect(ray: Any, address: str | None, nprocs: int) -> bool:
-    """Make sure Ray is initialised here; True when we started a local cluster (ours to
-    shut down)."""
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address is not None:
-        ray.init(address=address, log_to_driver=True, logging_level="warning")
-        return False
-    ray.init(
-        num_cpus=max(os.cpu_count() or 1, nprocs),
-        include_dashboard=False,
-        object_store_memory=_OBJECT_STORE_BYTES,
-        log_to_driver=True,
-        logging_level="warning",
-    )
-    return True
+    """Make sure Ray is initialised here; True when the context runs on a local cluster
+    procspawn started (then ``_disconnect`` must be called once it is closed)."""
+    global _cluster_users
+    with _cluster_lock:  # two threads spawning at once must not both call ray.init
+        if ray.is_initialized():
+            if _cluster_users:
+                _cluster_users += 1
+                return True
+            return False
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        if address is not None:
+            ray.init(address=address, log_to_driver=True, logging_level="warning")
+            return False
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, nprocs),
+            include_dashboard=False,
+            object_store_memory=_OBJECT_STORE_BYTES,
+            log_to_driver=True,
+            logging_level="warning",
+        )
+        _cluster_users = 1
+        return True
+
+
+def _disconnect(ray: Any) -> None:
+    """A context on our own cluster is closed: shut it down if it was the last one."""
+    global _cluster_users
+    with _cluster_lock:
+        _cluster_users -= 1
+        if _cluster_users == 0:
+            ray.shutdown()
 
 
 def start_ray(
@@ -190,16 +245,40 @@ def start_ray(
         ) from exc
     del payload_bytes  # a check in the parent; Ray pickles them again for the store
     ray = import_ray()
+    deadline = None if timeout is None else time.monotonic() + timeout
     owned = _connect(ray, ray_address, nprocs)
-    try:
-        context = RayContext(ray, fn, args, kwargs, nprocs, owned)
-    except BaseException:
-        if owned:
-            ray.shutdown()
-        raise
+    context = RayContext(ray, fn, args, kwargs, nprocs, owned, deadline)
     if not join:
         return context
-    return context._run_to_end(timeout)
+    return context._run_to_end(None if deadline is None else deadline - time.monotonic())
+
+
+class _Held:
+    """What a RayContext holds in the cluster, given back once: by ``terminate()``, a
+    failure, the end of ``join()``, or when the context is dropped unjoined."""
+
+    def __init__(self, ray: Any, owned: bool) -> None:
+        self.ray, self.owned = ray, owned
+        self.actors: list[Any] = []
+        self.group: Any = None
+
+    def close(self) -> None:
+        ray = self.ray
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass  # already dead
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.group)
+            except Exception:
+                pass
+        self.actors, self.group = [], None
+        if self.owned:
+            _disconnect(ray)
 
 
 class RayContext:
@@ -218,18 +297,24 @@ class RayContext:
         kwargs: dict[str, Any],
         nprocs: int,
         owned: bool,
+        deadline: float | None = None,
     ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        self._owned = owned
+        self._held = _Held(ray, owned)
+        # a context dropped without join() or terminate() gives back what it holds
+        self._release = weakref.finalize(self, self._held.close)
         self._closed = False
         self._error: ProcessException | None = None
-        self._actors: list[Any] = []
-        self._group = None
         self._results: list[Any] = [None] * nprocs
         self._done = [False] * nprocs
+        self._pids: list[int] = [-1] * nprocs
+        self._started = time.monotonic()
+        wait = (
+            _READY_SECONDS if deadline is None else min(_READY_SECONDS, deadline - time.monotonic())
+        )
         try:
             cpus = ray.cluster_resources().get("CPU", 0)
             if cpus < nprocs:
@@ -238,38 +323,59 @@ class RayContext:
                     f"and every one of the {nprocs} ranks needs one; no rank was started. "
                     f"Start fewer ranks, or add nodes to the cluster."
                 )
-            self._group = placement_group([{"CPU": 1}] * nprocs, strategy="PACK")
-            ready, _ = ray.wait([self._group.ready()], timeout=_READY_SECONDS)
+            group = self._held.group = placement_group([{"CPU": 1}] * nprocs, strategy="PACK")
+            ready, _ = ray.wait([group.ready()], timeout=max(wait, 0.0))
             if not ready:
                 raise RayResourcesError(
                     f"spawn(..., backend='ray'): the Ray cluster could not reserve one CPU for "
-                    f"each of {nprocs} ranks within {_READY_SECONDS:g} s (available now: "
+                    f"each of {nprocs} ranks within {wait:.3g} s (available now: "
                     f"{ray.available_resources().get('CPU', 0):g} CPU); no rank was started. "
                     f"Other jobs may hold them; start fewer ranks or wait "
-                    f"(PROCSPAWN_RAY_READY_TIMEOUT)."
+                    f"(PROCSPAWN_RAY_READY_TIMEOUT, or spawn's timeout)."
                 )
             actor = _actor_class(ray)
-            self._actors = [
+            actors = self._held.actors = [
                 actor.options(
                     num_cpus=1,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self._group, placement_group_bundle_index=rank
+                        placement_group=group, placement_group_bundle_index=rank
                     ),
                 ).remote()
                 for rank in range(nprocs)
             ]
-            where = ray.get([a.where.remote() for a in self._actors], timeout=_READY_SECONDS)
-            self._pids = [pid for pid, _ in where]
-            self._nodes = [node for _, node in where]
+            self._nodes = self._wait_started(actors, wait)
             payload = ray.put((fn, args, kwargs))
             self._pending = {
                 a.run.remote([payload], sys.path, rank, *self._local(rank), nprocs): rank
-                for rank, a in enumerate(self._actors)
+                for rank, a in enumerate(actors)
             }
-            self._started = time.monotonic()
         except BaseException:
             self._stop()
             raise
+
+    def _wait_started(self, actors: list[Any], wait: float) -> list[str]:
+        """Each rank's pid and node, once its actor runs; a rank that could not start
+        within ``wait`` seconds, or died starting, is an error naming it."""
+        ray = self._ray
+        refs = [a.where.remote() for a in actors]
+        ray.wait(refs, num_returns=len(refs), timeout=max(wait, 0.0))
+        nodes = []
+        for rank, ref in enumerate(refs):
+            try:
+                pid, node = ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                raise RayResourcesError(
+                    f"spawn(..., backend='ray'): rank {rank}'s actor did not start within "
+                    f"{wait:.3g} s; every rank was stopped. The cluster may be starting "
+                    f"workers slowly (PROCSPAWN_RAY_READY_TIMEOUT, or spawn's timeout)."
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise ProcessExitedException(
+                    f"process {rank} (Ray actor) died while starting: {exc}", rank, -1, -1, None
+                ) from None
+            self._pids[rank] = pid
+            nodes.append(node)
+        return nodes
 
     def _local(self, rank: int) -> tuple[int, int]:
         same = [r for r, node in enumerate(self._nodes) if node == self._nodes[rank]]
@@ -362,9 +468,29 @@ class RayContext:
                 pid,
             ) from exc
         if outcome[0] == "ok":
-            self._results[rank] = pickle.loads(outcome[1])
+            try:
+                self._results[rank] = pickle.loads(outcome[1])
+            except Exception as exc:
+                raise ProcessRaisedException(
+                    f"process {rank} (pid {pid}, Ray actor) returned a value the parent "
+                    f"could not unpickle: {type(exc).__name__}: {exc} (is every module it "
+                    f"needs importable here?)",
+                    rank,
+                    pid,
+                ) from exc
             self._done[rank] = True
             return
+        if outcome[0] == "exit":
+            code = outcome[1]
+            if code == 0:  # sys.exit(0): a clean exit without a result, as a process
+                self._done[rank] = True
+                return
+            raise ProcessExitedException(
+                f"process {rank} (pid {pid}, Ray actor) exited with exit code {code} (sys.exit)",
+                rank,
+                pid,
+                code,
+            )
         _, blob, text = outcome
         raise ProcessRaisedException(
             f"process {rank} (pid {pid}, Ray actor) terminated with the following error:\n{text}",
@@ -395,24 +521,9 @@ class RayContext:
         self._error = exc
 
     def _stop(self) -> None:
-        """Kill every actor, remove the group, shut our own cluster down (once)."""
+        """Kill every actor, remove the group, let go of our own cluster (once)."""
         if self._closed:
             return
         self._closed = True
-        ray = self._ray
-        for actor in self._actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass  # already dead
-        if self._group is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self._group)
-            except Exception:
-                pass
-        self._actors = []
         self._pending = {}
-        if self._owned:
-            ray.shutdown()
+        self._release()

@@ -81,8 +81,25 @@ def _daemons() -> list[dict[str, Any]]:
     return out
 
 
+def _kept_names() -> dict[str, set[int]]:
+    """Named segments a producer-side pool keeps: name -> pids that map it with no
+    access (``---s``)."""
+    marker = f" {SHM_DIR}/{PREFIX}"
+    kept: dict[str, set[int]] = {}
+    for pid in (e for e in os.listdir("/proc") if e.isdigit()):
+        maps = _read(f"/proc/{pid}/maps")
+        if maps is None or marker not in maps:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[1] == "---s" and fields[5].startswith(marker[1:]):
+                kept.setdefault(fields[5][len(SHM_DIR) + 1 :].strip(), set()).add(int(pid))
+    return kept
+
+
 def _segments() -> list[dict[str, Any]]:
     mapped = in_use()
+    kept = _kept_names()
     out = []
     try:
         names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX))
@@ -104,6 +121,7 @@ def _segments() -> list[dict[str, Any]]:
                 "owner_pid": owner,
                 "owner_alive": owner is not None and os.path.exists(f"/proc/{owner}"),
                 "used_by": sorted(mapped.get(name, ())),
+                "kept_by": sorted(kept.get(name, ())),
             }
         )
     return out
@@ -218,7 +236,11 @@ def info() -> dict[str, Any]:
         "daemons": _daemons(),
         "segments": _segments(),
         "memfd": _memfds(),
-        "pool": {"limit": _pool.LIMIT, "set": "PROCSPAWN_POOL_BYTES" in os.environ},
+        "pool": {
+            "limit": _pool.LIMIT,
+            "set": "PROCSPAWN_POOL_BYTES" in os.environ,
+            "idle": _pool.IDLE,
+        },
     }
 
 
@@ -286,6 +308,8 @@ def _print_info(data: dict[str, Any]) -> None:
     for s in data["segments"]:
         owner = f"owner {s['owner_pid']} ({'alive' if s['owner_alive'] else 'dead'})"
         mapped = f"mapped or open in {s['used_by']}" if s["used_by"] else "used by no process"
+        if s["kept_by"]:
+            mapped += f", kept in the pool of {s['kept_by']}"
         print(f"  {s['name']}  {_size(s['bytes'])}  {owner}, {mapped}")
     memfd = data["memfd"]
     print(
@@ -304,8 +328,9 @@ def _print_info(data: dict[str, Any]) -> None:
     pool = data["pool"]
     print(
         f"producer-side pool: up to {_mib(pool['limit'])} per process "
-        f"(PROCSPAWN_POOL_BYTES{'' if pool['set'] else ', default'}); "
-        f"procspawn.sharing.trim() gives it back"
+        f"(PROCSPAWN_POOL_BYTES{'' if pool['set'] else ', default'}; file_system segments "
+        f"at most a quarter of {shm['path']}), each segment for {pool['idle']:g} s unused "
+        f"(PROCSPAWN_POOL_IDLE); procspawn.sharing.trim() gives it back"
     )
 
 

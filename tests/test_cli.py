@@ -159,6 +159,40 @@ sys.stdin.read()  # until the test closes our stdin
 """
 
 
+def test_info_shows_named_segments_kept_in_a_pool():
+    code = MEMFD_HOLDER.replace(
+        'assert procspawn.get_sharing_strategy() == "file_descriptor"',
+        'procspawn.set_sharing_strategy("file_system")',
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+    )
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        result = _cli("info", "--json")
+        assert result.returncode == 0, result.stderr
+        mine = [s for s in json.loads(result.stdout)["segments"] if s["owner_pid"] == holder.pid]
+        assert len(mine) == 2  # the array it holds, and the send's copy its pool keeps
+        [kept] = [s for s in mine if s["kept_by"]]
+        assert kept["kept_by"] == [holder.pid] and kept["bytes"] == (8 << 20) + 4096
+        text = _cli("info")
+        assert text.returncode == 0, text.stderr
+        assert f"kept in the pool of [{holder.pid}]" in text.stdout
+    finally:
+        holder.stdin.close()  # lets it exit
+        try:
+            holder.wait(timeout=50)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+            holder.stdout.close()
+
+
 def test_info_lists_memfd_segments_per_process():
     env = script_env()
     env.pop("PROCSPAWN_SHARING_STRATEGY", None)  # the default strategy

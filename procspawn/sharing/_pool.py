@@ -201,7 +201,17 @@ def take(nbytes: int, kind: Kind) -> Segment | None:
                 return _segment(kept)
     kept = kind.make(capacity)
     with _lock:
+        _watch()
         return _segment(kept)
+
+
+def _watch() -> None:
+    """Start the thread that gives back idle segments, unless it runs (with _lock held;
+    never from a GC callback, which may fire inside the threading module's own locks)."""
+    global _keeper
+    if _keeper is None and IDLE > 0:
+        _keeper = threading.Thread(target=_give_back_idle, name="procspawn-pool", daemon=True)
+        _keeper.start()
 
 
 def _segment(kept: Kept) -> Segment:
@@ -248,7 +258,6 @@ def _recycle(address: int, length: int, fd: int) -> None:
 
 def _take_returned() -> None:
     """Keep what came back since the last call, while there is room (with _lock held)."""
-    global _keeper
     while _returned:
         address = _returned.popleft()
         kept = _out.pop(address, None)
@@ -262,10 +271,6 @@ def _take_returned() -> None:
         kept.since = time.monotonic()
         _kept[address] = kept
         _kept_bytes[kept.kind.name] += kept.length
-        if _keeper is None and IDLE > 0:
-            _keeper = threading.Thread(target=_give_back_idle, name="procspawn-pool")
-            _keeper.daemon = True
-            _keeper.start()
 
 
 def _room(kept: Kept) -> bool:
@@ -281,15 +286,29 @@ def _room(kept: Kept) -> bool:
     return True
 
 
+_CHECKS = 8  # holder checks per take at most: a consumer may keep many for a long time
+
+
 def _reuse(capacity: int, kind: Kind) -> Kept | None:
     """The oldest kept segment of ``kind`` and ``capacity`` that nobody else holds, taken
-    out of the pool (with _lock held)."""
-    for address, kept in _kept.items():
-        if kept.kind is kind and kept.capacity == capacity and kind.nobody_else(kept):
-            del _kept[address]
-            _kept_bytes[kind.name] -= kept.length
-            return kept
-    return None
+    out of the pool (with _lock held). One found still held goes to the back of the line,
+    so segments a consumer keeps for long do not stand in front of free ones."""
+    busy = []
+    try:
+        for address, kept in _kept.items():
+            if kept.kind is not kind or kept.capacity != capacity:
+                continue
+            if kind.nobody_else(kept):
+                del _kept[address]
+                _kept_bytes[kind.name] -= kept.length
+                return kept
+            busy.append(address)
+            if len(busy) == _CHECKS:
+                break
+        return None
+    finally:
+        for address in busy:
+            _kept[address] = _kept.pop(address)
 
 
 def _drop(address: int) -> None:
@@ -299,7 +318,7 @@ def _drop(address: int) -> None:
 
 
 def _give_back_idle() -> None:
-    """Give back what nobody reused for IDLE seconds; stop once nothing is kept."""
+    """Give back what nobody reused for IDLE seconds; stop once nothing is kept or out."""
     global _keeper
     while True:
         with _lock:
@@ -307,11 +326,11 @@ def _give_back_idle() -> None:
             now = time.monotonic()
             for address in [a for a, k in _kept.items() if now - k.since >= IDLE]:
                 _drop(address)
-            if not _kept:
+            if not _kept and not _out:  # nothing kept, nothing out that may come back
                 _keeper = None
                 return
-            wait = min(k.since for k in _kept.values()) + IDLE - now
-        time.sleep(max(wait, 0.0) + 0.01)
+            oldest = min((k.since for k in _kept.values()), default=now)
+        time.sleep(max(oldest + IDLE - now, 0.0) + 0.01)
 
 
 def trim() -> int:

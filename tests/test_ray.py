@@ -121,6 +121,18 @@ def test_timeout_stops_every_rank():
     assert info.value.ranks == [0, 1] and isinstance(info.value, TimeoutError)
 
 
+def test_timeout_running_out_while_starting_is_a_timeout_too():
+    # 1 ms cannot cover reserving CPUs and starting actors: spawn's timeout, not
+    # PROCSPAWN_RAY_READY_TIMEOUT, is what ran out, so it is the same error as later
+    with pytest.raises(mp.ProcessTimeoutError, match="while starting") as info:
+        mp.spawn(_pid_then_wait, args=(60,), nprocs=2, backend="ray", timeout=0.001)
+    assert info.value.ranks == [0, 1] and info.value.results == [None, None]
+    # nothing is left reserved: the next spawn gets both CPUs at once
+    assert mp.spawn(_rank_and_world, nprocs=2, backend="ray") == [
+        (r, str(r), "2", str(r)) for r in (0, 1)
+    ]
+
+
 def test_join_false_polls_and_terminate_stops():
     with mp.spawn(_pid_then_wait, args=(0.2,), nprocs=2, backend="ray", join=False) as ctx:
         while not ctx.join(timeout=0.1):

@@ -312,9 +312,11 @@ class RayContext:
         self._done = [False] * nprocs
         self._pids: list[int] = [-1] * nprocs
         self._started = time.monotonic()
-        wait = (
-            _READY_SECONDS if deadline is None else min(_READY_SECONDS, deadline - time.monotonic())
-        )
+        wait = _READY_SECONDS
+        # spawn's own timeout, when it is the tighter bound, makes running out a timeout
+        self._by_timeout = deadline is not None and deadline - time.monotonic() < wait
+        if deadline is not None:
+            wait = min(wait, deadline - time.monotonic())
         try:
             cpus = ray.cluster_resources().get("CPU", 0)
             if cpus < nprocs:
@@ -326,12 +328,13 @@ class RayContext:
             group = self._held.group = placement_group([{"CPU": 1}] * nprocs, strategy="PACK")
             ready, _ = ray.wait([group.ready()], timeout=max(wait, 0.0))
             if not ready:
+                self._out_of_time(nprocs, "before the cluster reserved a CPU for every rank")
                 raise RayResourcesError(
                     f"spawn(..., backend='ray'): the Ray cluster could not reserve one CPU for "
                     f"each of {nprocs} ranks within {wait:.3g} s (available now: "
                     f"{ray.available_resources().get('CPU', 0):g} CPU); no rank was started. "
                     f"Other jobs may hold them; start fewer ranks or wait "
-                    f"(PROCSPAWN_RAY_READY_TIMEOUT, or spawn's timeout)."
+                    f"(PROCSPAWN_RAY_READY_TIMEOUT)."
                 )
             actor = _actor_class(ray)
             actors = self._held.actors = [
@@ -359,6 +362,10 @@ class RayContext:
         ray = self._ray
         refs = [a.where.remote() for a in actors]
         ray.wait(refs, num_returns=len(refs), timeout=max(wait, 0.0))
+        waiting = [rank for rank, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]]
+        if waiting:
+            listed = ", ".join(map(str, waiting))
+            self._out_of_time(len(refs), f"before the actor of rank(s) {listed} had started")
         nodes = []
         for rank, ref in enumerate(refs):
             try:
@@ -367,7 +374,7 @@ class RayContext:
                 raise RayResourcesError(
                     f"spawn(..., backend='ray'): rank {rank}'s actor did not start within "
                     f"{wait:.3g} s; every rank was stopped. The cluster may be starting "
-                    f"workers slowly (PROCSPAWN_RAY_READY_TIMEOUT, or spawn's timeout)."
+                    f"workers slowly (PROCSPAWN_RAY_READY_TIMEOUT)."
                 ) from None
             except ray.exceptions.RayError as exc:
                 raise ProcessExitedException(
@@ -376,6 +383,23 @@ class RayContext:
             self._pids[rank] = pid
             nodes.append(node)
         return nodes
+
+    def _out_of_time(self, nprocs: int, when: str) -> None:
+        """Raise ProcessTimeoutError if spawn's timeout, not PROCSPAWN_RAY_READY_TIMEOUT,
+        bounded the start-up wait that just ran out (no rank has run ``fn``)."""
+        if not self._by_timeout:
+            return
+        elapsed = time.monotonic() - self._started
+        exc = ProcessTimeoutError(
+            f"spawn(backend='ray') timed out after {elapsed:.1f} s while starting, {when}; "
+            f"no rank ran, every rank was stopped",
+            0,
+            -1,
+            list(range(nprocs)),
+            elapsed,
+        )
+        exc.results = [None] * nprocs
+        raise exc
 
     def _local(self, rank: int) -> tuple[int, int]:
         same = [r for r, node in enumerate(self._nodes) if node == self._nodes[rank]]

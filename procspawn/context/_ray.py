@@ -44,6 +44,7 @@ from ._errors import (
 
 _OBJECT_STORE_BYTES = 256 << 20  # a local cluster of our own: a small object store
 _READY_SECONDS = float(os.environ.get("PROCSPAWN_RAY_READY_TIMEOUT", 60))
+_SETTLE_SECONDS = 3.0  # at most, for a placement group's creation under way to finish
 _TICK = 0.2  # seconds between looks while joining, so Ctrl-C is seen promptly
 
 
@@ -261,6 +262,7 @@ class _Held:
         self.ray, self.owned = ray, owned
         self.actors: list[Any] = []
         self.group: Any = None
+        self.ready: Any = None  # the group's ready() ref until it was seen ready
 
     def close(self) -> None:
         ray = self.ray
@@ -272,11 +274,20 @@ class _Held:
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 
+            if self.ready is not None:
+                # Removing a group whose bundles Ray is still preparing can leave them
+                # reserved for good, and every later group waiting behind them (seen with
+                # Ray 2.60): let a creation under way finish first. A group waiting for
+                # busy CPUs is not under way; it is removed after this.
+                try:
+                    ray.wait([self.ready], timeout=_SETTLE_SECONDS)
+                except Exception:
+                    pass
             try:
                 remove_placement_group(self.group)
             except Exception:
                 pass
-        self.actors, self.group = [], None
+        self.actors, self.group, self.ready = [], None, None
         if self.owned:
             _disconnect(ray)
 
@@ -326,8 +337,11 @@ class RayContext:
                     f"Start fewer ranks, or add nodes to the cluster."
                 )
             group = self._held.group = placement_group([{"CPU": 1}] * nprocs, strategy="PACK")
-            ready, _ = ray.wait([group.ready()], timeout=max(wait, 0.0))
-            if not ready:
+            self._held.ready = group.ready()
+            ready, _ = ray.wait([self._held.ready], timeout=max(wait, 0.0))
+            if ready:
+                self._held.ready = None
+            else:
                 self._out_of_time(nprocs, "before the cluster reserved a CPU for every rank")
                 raise RayResourcesError(
                     f"spawn(..., backend='ray'): the Ray cluster could not reserve one CPU for "

@@ -257,9 +257,14 @@ def hold(name: str, fd: int, kind: str = "holder") -> bool:
                 return False
             slot = _find(table, _FREE)
             if slot < 0:
+                words = struct.unpack(f"<{_SLOTS}i", table)
+                sent = sum(1 for w in words if w < 0 or w & TRANSFER)
                 raise OSError(
-                    f"shared segment {name} is mapped by {_SLOTS} processes already, the "
-                    f"most a file_system segment keeps track of; use file_descriptor"
+                    f"shared segment {name} is held {_SLOTS} times already, the most a "
+                    f"file_system segment keeps track of: {_SLOTS - sent} by processes that "
+                    f"map it, {sent} by messages sent but not received yet. Let receivers "
+                    f"keep up (a Queue with maxsize), send fewer handles to one array, or "
+                    f"use the file_descriptor strategy, which has no such limit"
                 )
             os.pwrite(own, _slot_word(word), slot)
             return True

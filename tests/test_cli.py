@@ -42,6 +42,18 @@ def stray():
         os.unlink(path)
 
 
+def _stop(holder: subprocess.Popen) -> None:
+    """Let a holder script exit (it waits for its stdin to close); kill it if it hangs."""
+    holder.stdin.close()
+    try:
+        holder.wait(timeout=50)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        holder.stdout.close()
+
+
 def test_info_json():
     mp.set_sharing_strategy("file_system")
     try:
@@ -183,14 +195,7 @@ def test_info_shows_named_segments_kept_in_a_pool():
         assert text.returncode == 0, text.stderr
         assert f"kept in the pool of [{holder.pid}]" in text.stdout
     finally:
-        holder.stdin.close()  # lets it exit
-        try:
-            holder.wait(timeout=50)
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-                holder.wait()
-            holder.stdout.close()
+        _stop(holder)
 
 
 def test_info_lists_memfd_segments_per_process():
@@ -230,11 +235,4 @@ def test_info_lists_memfd_segments_per_process():
         [pool] = [s for s in lines if s.startswith("producer-side pool: up to ")]
         assert "PROCSPAWN_POOL_BYTES" in pool and "trim()" in pool
     finally:
-        holder.stdin.close()  # lets it exit
-        try:
-            holder.wait(timeout=50)
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-                holder.wait()
-            holder.stdout.close()
+        _stop(holder)

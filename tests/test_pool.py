@@ -239,9 +239,24 @@ def test_a_segment_alive_at_a_fork_is_never_reused(pooled):
     assert _pool_maps() == before
 
 
+# the bytes a script's own pool keeps, as /proc/self/maps shows them (no access: ---s)
+_POOL_BYTES = textwrap.dedent(
+    """
+    def pool_bytes():
+        total = 0
+        for line in open("/proc/self/maps"):
+            f = line.split(None, 5)
+            if len(f) == 6 and f[1] == "---s" and "procspawn" in f[5]:
+                a, b = (int(x, 16) for x in f[0].split("-"))
+                total += b - a
+        return total
+    """
+)
+
+
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
 def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
-    code = textwrap.dedent(
+    code = _POOL_BYTES + textwrap.dedent(
         """
         import numpy as np
         import procspawn as mp
@@ -249,15 +264,6 @@ def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
         def hold(q, n, done):
             held = [q.get() for _ in range(n)]
             done.get()
-
-        def pool_bytes():
-            total = 0
-            for line in open("/proc/self/maps"):
-                f = line.split(None, 5)
-                if len(f) == 6 and f[1] == "---s" and "procspawn" in f[5]:
-                    a, b = (int(x, 16) for x in f[0].split("-"))
-                    total += b - a
-            return total
 
         if __name__ == "__main__":
             ctx = mp.get_context("spawn")
@@ -284,7 +290,7 @@ def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
     assert bad.returncode != 0 and "PROCSPAWN_POOL_BYTES='lots'" in bad.stderr
 
 
-_STREAM = textwrap.dedent(
+_STREAM = _POOL_BYTES + textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
@@ -293,15 +299,6 @@ _STREAM = textwrap.dedent(
     def drop(q):
         while q.get() is not None:
             pass
-
-    def pool_bytes():
-        total = 0
-        for line in open("/proc/self/maps"):
-            f = line.split(None, 5)
-            if len(f) == 6 and f[1] == "---s" and "procspawn" in f[5]:
-                a, b = (int(x, 16) for x in f[0].split("-"))
-                total += b - a
-        return total
 
     if __name__ == "__main__":
         ctx = mp.get_context("spawn")

@@ -371,13 +371,17 @@ def test_arrays_of_a_strategy_class_defined_in_a_function_travel(start_method):
         mp.set_sharing_strategy(previous)
 
 
+def _my_names() -> set[str]:
+    """This process' names in /dev/shm, as ls shows them."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")}
+
+
 def test_file_system_segments_are_private_and_freed():
     mp.set_sharing_strategy("file_system")
     try:
-        mine = f"procspawn_{os.getpid()}_"
-        before = {n for n in os.listdir("/dev/shm") if n.startswith(mine)}  # the pool's
+        before = _my_names()  # the pool's
         a = sharing.zeros(40_000)  # above the slab threshold: a segment of its own
-        [name] = {n for n in os.listdir("/dev/shm") if n.startswith(mine)} - before
+        [name] = _my_names() - before
         assert os.stat(f"/dev/shm/{name}").st_mode & 0o777 == 0o600
         del a
         import gc
@@ -557,11 +561,10 @@ def test_too_many_unreceived_messages_of_one_file_system_array_is_a_clear_error_
 
     mp.set_sharing_strategy("file_system")
     try:
-        mine = f"procspawn_{os.getpid()}_"
-        before = {n for n in os.listdir("/dev/shm") if n.startswith(mine)}  # the pool's
+        before = _my_names()  # the pool's
         shared = sharing.zeros(40_000)  # above the slab threshold: a segment of its own
         shared[0] = 7
-        [name] = {n for n in os.listdir("/dev/shm") if n.startswith(mine)} - before
+        [name] = _my_names() - before
         q = mp.Queue()
         with pytest.raises(OSError, match=r"1 by processes.*1023 by messages sent but not "):
             for _ in range(1100):

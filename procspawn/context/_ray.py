@@ -323,11 +323,10 @@ class RayContext:
         self._done = [False] * nprocs
         self._pids: list[int] = [-1] * nprocs
         self._started = time.monotonic()
-        wait = _READY_SECONDS
+        left = _READY_SECONDS if deadline is None else deadline - time.monotonic()
         # spawn's own timeout, when it is the tighter bound, makes running out a timeout
-        self._by_timeout = deadline is not None and deadline - time.monotonic() < wait
-        if deadline is not None:
-            wait = min(wait, deadline - time.monotonic())
+        self._by_timeout = left < _READY_SECONDS
+        wait = min(left, _READY_SECONDS)
         try:
             cpus = ray.cluster_resources().get("CPU", 0)
             if cpus < nprocs:
@@ -375,8 +374,8 @@ class RayContext:
         within ``wait`` seconds, or died starting, is an error naming it."""
         ray = self._ray
         refs = [a.where.remote() for a in actors]
-        ray.wait(refs, num_returns=len(refs), timeout=max(wait, 0.0))
-        waiting = [rank for rank, ref in enumerate(refs) if not ray.wait([ref], timeout=0)[0]]
+        started, _ = ray.wait(refs, num_returns=len(refs), timeout=max(wait, 0.0))
+        waiting = [rank for rank, ref in enumerate(refs) if ref not in started]
         if waiting:
             listed = ", ".join(map(str, waiting))
             self._out_of_time(len(refs), f"before the actor of rank(s) {listed} had started")

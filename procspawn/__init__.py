@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import context, sharing
+    from . import context, pool, sharing
+    from ._dropin import Process, get_context
     from .context import (
         ProcessContext,
         ProcessException,
@@ -30,7 +31,13 @@ if TYPE_CHECKING:  # pragma: no cover
         start_processes,
     )
     from .context._forkserver import set_forkserver_preload
-    from .context._mp import Process, get_context
+    from .pool import (
+        InitializerError,
+        Pool,
+        ProcessPoolExecutor,
+        TerminatedWorkerError,
+        get_reusable_executor,
+    )
     from .sharing import (
         get_all_sharing_strategies,
         get_sharing_strategy,
@@ -51,16 +58,23 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "set_forkserver_preload": (".context._forkserver", "set_forkserver_preload"),
     "spawn": (".context", "spawn"),
     "start_processes": (".context", "start_processes"),
-    "Process": (".context._mp", "Process"),
-    "get_context": (".context._mp", "get_context"),
+    "Process": ("._dropin", "Process"),
+    "get_context": ("._dropin", "get_context"),
+    "InitializerError": (".pool", "InitializerError"),
+    "Pool": (".pool", "Pool"),
+    "ProcessPoolExecutor": (".pool", "ProcessPoolExecutor"),
+    "TerminatedWorkerError": (".pool", "TerminatedWorkerError"),
+    "get_reusable_executor": (".pool", "get_reusable_executor"),
+    "pool": (".pool", None),
     "get_all_sharing_strategies": (".sharing", "get_all_sharing_strategies"),
     "get_sharing_strategy": (".sharing", "get_sharing_strategy"),
     "set_sharing_strategy": (".sharing", "set_sharing_strategy"),
 }
 # bound methods of procspawn's default context (multiprocessing's default start method)
-_DEFAULT_CONTEXT_METHODS = ("Queue", "JoinableQueue", "SimpleQueue", "Pipe", "Pool")
+_DEFAULT_CONTEXT_METHODS = ("Queue", "JoinableQueue", "SimpleQueue", "Pipe")
 
 __all__ = [
+    "InitializerError",
     "JoinableQueue",
     "Pipe",
     "Pool",
@@ -68,16 +82,20 @@ __all__ = [
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
+    "ProcessPoolExecutor",
     "ProcessRaisedException",
     "ProcessTimeoutError",
     "Progress",
     "Queue",
     "SimpleQueue",
+    "TerminatedWorkerError",
     "__version__",
     "context",
     "get_all_sharing_strategies",
     "get_context",
+    "get_reusable_executor",
     "get_sharing_strategy",
+    "pool",
     "progress",
     "set_forkserver_preload",
     "set_sharing_strategy",
@@ -99,7 +117,7 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(module_name, __name__)
         value = module if attr is None else getattr(module, attr)
     elif name in _DEFAULT_CONTEXT_METHODS:
-        from .context._mp import default_context
+        from ._dropin import default_context
 
         value = getattr(default_context, name)
     else:

@@ -57,11 +57,11 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ._output import OutputForwarder
+from .context._errors import signal_name
+from .context._watch import default_grace_period
 
 __all__ = ["run"]
 
-DEFAULT_GRACE_PERIOD = 3.0
-_GRACE_ENV = "PROCSPAWN_GRACE_PERIOD"
 _SI_KERNEL = 0x80  # si_code of a signal the kernel sent to a process group (a terminal)
 _POLL = 1.0  # seconds between looks at the ranks if no signal comes (a safety net only)
 _OUTPUT_DRAIN = 1.0  # seconds to wait for the ranks' last output once they are gone
@@ -167,7 +167,7 @@ def _parser() -> _Parser:
         metavar="S",
         type=float,
         help="seconds between SIGTERM and SIGKILL when stopping ranks "
-        f"(default ${_GRACE_ENV} or {DEFAULT_GRACE_PERIOD:g})",
+        "(default $PROCSPAWN_GRACE_PERIOD or 3)",
     )
     parser.add_argument(
         "--log-dir",
@@ -223,16 +223,10 @@ def _split(argv: Sequence[str]) -> tuple[list[str], tuple[str, bool] | None, lis
 
 
 def _grace_from_env() -> float:
-    value = os.environ.get(_GRACE_ENV)
-    if value is None:
-        return DEFAULT_GRACE_PERIOD
     try:
-        grace = float(value)
-    except ValueError:
-        raise UsageError(f"{_GRACE_ENV} must be a number of seconds, got {value!r}") from None
-    if grace < 0:
-        raise UsageError(f"{_GRACE_ENV} must be >= 0, got {value!r}")
-    return grace
+        return default_grace_period()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _shown_ranks(text: str, nprocs: int) -> set[int] | None:
@@ -332,13 +326,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _traceback(tail: str) -> str | None:
@@ -493,7 +480,7 @@ class _Launcher:
             output.wait_eof(failed, _OUTPUT_DRAIN)
         output.close(_OUTPUT_DRAIN)
         if received is not None:
-            name = _signal_name(received)
+            name = signal_name(received)
             print(f"procspawn run: stopped every rank on {name}", file=sys.stderr)
             return 128 + received
         if failed is None:
@@ -504,7 +491,7 @@ class _Launcher:
         p = self.ranks[rank]
         code = p.returncode
         if code < 0:
-            how = f"was terminated by signal {_signal_name(-code)}"
+            how = f"was terminated by signal {signal_name(-code)}"
             status = 128 - code
         else:
             how = f"failed: exit code {code}"

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import signal
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -30,47 +29,16 @@ from ._errors import (
     ProcessExitedException,
     ProcessRaisedException,
     ProcessTimeoutError,
-    signal_name,
     unpickled_cause,
 )
 from ._progress import Progress
+from ._watch import default_grace_period, describe_exit, last_words, stop
 
-_DEFAULT_GRACE_PERIOD = 3.0
+__all__ = ["ProcessContext", "default_grace_period"]
+
 _PROGRESS_TICK = 0.1  # seconds between progress redraws while joining
 _OUTPUT_DRAIN = 1.0  # seconds to wait for a dead rank's last output
-_DUPLICATE_SIGINT = 1.0  # seconds within which a second SIGINT is the same Ctrl-C
 _MISSING: Any = object()
-
-# (text in a dead rank's stderr, what to tell the user)
-_HINTS = [
-    (
-        "bootstrapping phase",
-        'likely cause: the main module has no `if __name__ == "__main__":` guard. Under '
-        "the spawn and forkserver start methods every rank imports the main module again, "
-        "so a spawn() call at its top level runs again in each rank. Put the code that "
-        "starts the ranks under that guard.",
-    ),
-    (
-        "procspawn.spawn() was called while this process was still starting",
-        'likely cause: the main module has no `if __name__ == "__main__":` guard (see above).',
-    ),
-]
-
-
-def default_grace_period() -> float:
-    """Seconds a sibling gets between SIGTERM and SIGKILL (env ``PROCSPAWN_GRACE_PERIOD``)."""
-    value = os.environ.get("PROCSPAWN_GRACE_PERIOD")
-    if value is None:
-        return _DEFAULT_GRACE_PERIOD
-    try:
-        grace = float(value)
-    except ValueError:
-        raise ValueError(
-            f"PROCSPAWN_GRACE_PERIOD must be a number of seconds, got {value!r}"
-        ) from None
-    if grace < 0:
-        raise ValueError(f"PROCSPAWN_GRACE_PERIOD must be >= 0, got {value!r}")
-    return grace
 
 
 class ProcessContext:
@@ -330,39 +298,15 @@ class ProcessContext:
             self._results[rank] = None  # sys.exit(0) / sys.exit(None): a clean exit
             return
         pid: int = proc.pid  # type: ignore[assignment]
-        if code < 0:
-            name = signal_name(-code)
-            msg = f"process {rank} (pid {pid}) was terminated by signal {name}"
-            if -code == signal.SIGKILL:
-                msg += (
-                    " (nothing in procspawn sent it: the kernel's out-of-memory killer is a "
-                    "common cause; check `dmesg` and the ranks' memory use)"
-                )
-            raise ProcessExitedException(msg + self._last_words(rank), rank, pid, code, name)
+        how, name = describe_exit(code)
         raise ProcessExitedException(
-            f"process {rank} (pid {pid}) exited with exit code {code}" + self._last_words(rank),
-            rank,
-            pid,
-            code,
+            f"process {rank} (pid {pid}) {how}" + self._last_words(rank), rank, pid, code, name
         )
 
     def _last_words(self, rank: int) -> str:
         """What a rank that died without a report printed last on stderr, and the likely
         cause when we know it."""
-        if self._output is None:
-            return ""
-        self._output.wait_eof(rank, _OUTPUT_DRAIN)
-        tail = self._output.tail(rank).rstrip()
-        if not tail:
-            return ""
-        text = "\nits last output on stderr was:\n" + "\n".join(
-            "    " + line for line in tail.splitlines()
-        )
-        for marker, hint in _HINTS:
-            if marker in tail:
-                text += "\n" + hint
-                break
-        return text
+        return last_words(self._output, rank, _OUTPUT_DRAIN)
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -373,33 +317,11 @@ class ProcessContext:
         Whatever happens meanwhile, every rank ends up killed and reaped: a Ctrl-C during
         the grace period does not interrupt the stopping, it only cuts the grace short.
         """
-        alive = [p for p in self.processes if p.exitcode is None]
-        begun = time.monotonic()
-
-        def hurry() -> None:
-            for p in alive:
-                if p.exitcode is None:
-                    _signal(p, signal.SIGKILL)
-
-        def on_sigint() -> None:
-            # One Ctrl-C often arrives twice (a terminal's SIGINT to the whole group and
-            # `timeout -s INT`'s to us): only a later one is the user asking to hurry.
-            if time.monotonic() - begun >= _DUPLICATE_SIGINT:
-                hurry()
-
-        with _sigint_held(on_sigint):
-            try:
-                for p in alive:
-                    _signal(p, signum)
-                deadline = time.monotonic() + grace_period
-                for p in alive:
-                    p.join(max(0.0, deadline - time.monotonic()))
-            finally:
-                hurry()
-                for p in alive:
-                    p.join()
-                self._keep_sent_results()
-                self._close()
+        try:
+            stop(self.processes, grace_period, signum)
+        finally:
+            self._keep_sent_results()
+            self._close()
 
     def _keep_sent_results(self) -> None:
         """Every rank has exited: a result it sent is whole in its channel. Keep those
@@ -482,28 +404,3 @@ def _first_sigint_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def _sigint_held(on_sigint: Callable[[], None]) -> Iterator[None]:
-    """While the ranks stop, a SIGINT calls ``on_sigint`` instead of raising (main thread
-    only; other threads cannot set handlers, and never get KeyboardInterrupt anyway)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
-    except ValueError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _signal(proc: BaseProcess, signum: int) -> None:
-    try:
-        os.kill(proc.pid, signum)  # type: ignore[arg-type]
-    except ProcessLookupError:
-        pass

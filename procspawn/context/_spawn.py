@@ -30,8 +30,7 @@ from .._output import OutputForwarder
 from ..sharing import _pickler
 from ..sharing._startup import StartupMessage
 from . import _worker
-from ._forkserver import RankForkServerProcess
-from ._popen import RankSpawnProcess, RedirectFds
+from ._launch import parent_death_signal_is_safe, start_child
 from ._process_context import ProcessContext
 from ._progress import as_progress
 
@@ -327,55 +326,27 @@ def _start_rank(
 ) -> BaseProcess:
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     channels.append(parent_end)
-    redirect: dict[int, int] = {}
     try:
-        # Both streams go through the parent: lines of ranks do not mix, a notebook shows
-        # them, and a rank that dies early is explained by its stderr.
-        redirect[1] = output.pipe(rank, "stdout")
-        redirect[2] = output.pipe(rank, "stderr")
         worker_args = (
             payload,
             rank,
             nprocs,
             child_end,
             os.getpid(),
-            _parent_death_signal_is_safe(start_method),
+            parent_death_signal_is_safe(start_method),
         )
-        name = f"procspawn-rank-{rank}"
-        proc: BaseProcess
-        if start_method == "spawn":
-            proc = RankSpawnProcess(target=_worker.main, args=worker_args, name=name)
-            proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
-            proc._procspawn_env = _worker.rank_environment(rank, nprocs)  # type: ignore[attr-defined]
-        elif start_method == "forkserver":
-            # procspawn's server (NumPy & co. imported once); it forked with the environment
-            # of its own start, so the rank takes this process' environment of now
-            proc = RankForkServerProcess(
-                target=_worker.main,
-                args=(*worker_args, RedirectFds(redirect), dict(os.environ)),
-                name=name,
-            )
-        else:
-            mp_context = multiprocessing.get_context(start_method)
-            proc = mp_context.Process(  # type: ignore[attr-defined]
-                target=_worker.main,
-                args=(*worker_args, RedirectFds(redirect)),
-                name=name,
-            )
-        proc.daemon = daemon
-        proc.start()
+        return start_child(
+            _worker.main,
+            worker_args,
+            start_method=start_method,
+            output=output,
+            key=rank,
+            name=f"procspawn-rank-{rank}",
+            daemon=daemon,
+            spawn_env=_worker.rank_environment(rank, nprocs),
+        )
     finally:
         child_end.close()
-        for fd in redirect.values():
-            os.close(fd)
-    return proc
-
-
-def _parent_death_signal_is_safe(start_method: str) -> bool:
-    # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process:
-    # use it only when the main thread starts the ranks and is their direct parent (not
-    # under forkserver). The pidfd watchdog covers every other case.
-    return start_method != "forkserver" and threading.current_thread() is threading.main_thread()
 
 
 def spawn(

@@ -86,6 +86,22 @@ def send_rest(sock: socket.socket, data: bytes | memoryview, nfds: int, sent: in
         sock.sendall(memoryview(data)[sent - _HEADER.size :])
 
 
+def send_more(sock: socket.socket, data: bytes | memoryview, nfds: int, sent: int) -> int:
+    """Send what the socket takes now (never blocking) of a message of which ``sent``
+    bytes went already; returns the new total (``message_size(data)`` when done)."""
+    total = _HEADER.size + len(data)
+    try:
+        while sent < total:
+            if sent < _HEADER.size:
+                n = sock.send(_HEADER.pack(_MAGIC, len(data), nfds)[sent:], socket.MSG_DONTWAIT)
+            else:
+                n = sock.send(memoryview(data)[sent - _HEADER.size :], socket.MSG_DONTWAIT)
+            sent += n
+    except (BlockingIOError, InterruptedError):
+        pass
+    return sent
+
+
 def message_size(data: bytes | memoryview) -> int:
     """The bytes a message of ``data`` takes on the wire (at most 253 descriptors)."""
     return _HEADER.size + len(data)

@@ -1,13 +1,16 @@
 """Drop-in multiprocessing contexts whose Process, Queue, Pipe and Pool share arrays.
 
+The top floor of the package: it puts together ``context``'s processes, ``sharing``'s
+channels and ``pool``'s Pool under multiprocessing's names.
+
 ``procspawn.get_context(method)`` returns a context like ``multiprocessing.get_context``'s
 (it subclasses the stdlib's), except that:
 
 * ``Process(target=..., args=..., kwargs=...)`` pickles target and arguments with procspawn's
   pickler (cloudpickle for code, shared memory for arrays) as the process starts;
 * ``Queue``, ``JoinableQueue``, ``SimpleQueue`` and ``Pipe`` are procspawn's;
-* ``Pool`` is ``multiprocessing.pool.Pool`` built on those, so ``Pool.map`` arguments and
-  results move through shared memory too.
+* ``Pool`` is ``procspawn.Pool`` (the stdlib's interface; a worker's death fails its task
+  instead of hanging the call) with the context's start method.
 
 Nothing of the stdlib is patched: ``multiprocessing.Queue`` stays as it is.
 """
@@ -18,12 +21,12 @@ import multiprocessing
 import multiprocessing.context as mpc
 from typing import Any
 
-from ..sharing import _pickler, _strategy
-from ..sharing._connection import Pipe as _Pipe
-from ..sharing._queues import JoinableQueue as _JoinableQueue
-from ..sharing._queues import Queue as _Queue
-from ..sharing._queues import SimpleQueue as _SimpleQueue
-from ..sharing._startup import StartupMessage
+from .sharing import _pickler, _strategy
+from .sharing._connection import Pipe as _Pipe
+from .sharing._queues import JoinableQueue as _JoinableQueue
+from .sharing._queues import Queue as _Queue
+from .sharing._queues import SimpleQueue as _SimpleQueue
+from .sharing._startup import StartupMessage
 
 
 class _Call:
@@ -150,6 +153,18 @@ class _ContextMixin:
         """A procspawn SimpleQueue."""
         return _SimpleQueue(ctx=self.get_context())
 
+    def Pool(
+        self,
+        processes: int | None = None,
+        initializer: Any = None,
+        initargs: Any = (),
+        maxtasksperchild: int | None = None,
+    ) -> Any:
+        """A ``procspawn.Pool`` whose workers start with this context's method."""
+        from .pool import Pool
+
+        return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())
+
 
 class SpawnContext(_ContextMixin, mpc.SpawnContext):
     Process = SpawnProcess
@@ -172,6 +187,9 @@ class DefaultContext(_ContextMixin, mpc.BaseContext):
         if method is None:
             method = multiprocessing.get_start_method()
         return get_context(method)
+
+    def get_start_method(self, allow_none: bool = False) -> str:
+        return multiprocessing.get_start_method(allow_none)  # type: ignore[return-value]
 
 
 _contexts: dict[str, Any] = {

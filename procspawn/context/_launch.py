@@ -1,0 +1,77 @@
+"""Starting one child under any start method, its stdout and stderr on the parent's pipes
+from its first instruction (``_popen``), for ``spawn``'s ranks and the pools' workers.
+
+The target is called as ``target(*args, redirect, environ)``: ``redirect`` (fork,
+forkserver) points the child's descriptors 1 and 2 at the pipes, ``environ``
+(forkserver) is the parent's environment of now. Under spawn both are done before the
+child's interpreter runs a line (``_popen``) and the target gets neither.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from .._output import OutputForwarder
+from ._forkserver import RankForkServerProcess
+from ._popen import RankSpawnProcess, RedirectFds
+
+
+def start_child(
+    target: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    start_method: str,
+    output: OutputForwarder,
+    key: int,
+    name: str,
+    daemon: bool = False,
+    spawn_env: dict[str, str] | None = None,
+) -> BaseProcess:
+    """Start ``target`` in a new process whose output ``output`` forwards under ``key``.
+
+    ``spawn_env`` is set in a spawn child's environment before its main module is
+    imported again (fork and forkserver children set what they need themselves).
+    """
+    redirect: dict[int, int] = {}
+    try:
+        # Both streams go through the parent: lines of children do not mix, a notebook
+        # shows them, and a child that dies early is explained by its stderr.
+        redirect[1] = output.pipe(key, "stdout")
+        redirect[2] = output.pipe(key, "stderr")
+        proc: BaseProcess
+        if start_method == "spawn":
+            proc = RankSpawnProcess(target=target, args=args, name=name)
+            proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
+            proc._procspawn_env = spawn_env or {}  # type: ignore[attr-defined]
+        elif start_method == "forkserver":
+            # procspawn's server (NumPy & co. imported once); it forked with the environment
+            # of its own start, so the child takes this process' environment of now
+            proc = RankForkServerProcess(
+                target=target, args=(*args, RedirectFds(redirect), dict(os.environ)), name=name
+            )
+        else:
+            mp_context = multiprocessing.get_context(start_method)
+            proc = mp_context.Process(  # type: ignore[attr-defined]
+                target=target, args=(*args, RedirectFds(redirect)), name=name
+            )
+        proc.daemon = daemon
+        proc.start()
+    finally:
+        for fd in redirect.values():
+            os.close(fd)
+    return proc
+
+
+def parent_death_signal_is_safe(start_method: str) -> bool:
+    """Whether a child started now from this thread may ask for PR_SET_PDEATHSIG.
+
+    It fires when the *thread* that forked the child exits, not the process: use it only
+    when the main thread starts the child and is its direct parent (not under forkserver).
+    The pidfd watchdog covers every other case.
+    """
+    return start_method != "forkserver" and threading.current_thread() is threading.main_thread()

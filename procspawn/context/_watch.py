@@ -1,0 +1,228 @@
+"""Watching children: wait on every exit and channel at once, stop with a grace period,
+and say how a child ended. Used by ``spawn``'s ProcessContext, the pools and the launcher.
+
+::
+
+    Watcher ──epoll──▶ exit handle of each child (a pidfd, else the Process sentinel)
+                       channels (readable; writable while a send is pending)
+                       a wake-up pipe (another thread has news: a task, a stop)
+
+A child's death wakes the watcher at once (its pidfd turns readable when it exits, even if
+a grandchild still holds the pipes it inherited); nothing polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from .._output import OutputForwarder
+from ._errors import signal_name
+
+if TYPE_CHECKING:  # pragma: no cover
+    from multiprocessing.process import BaseProcess
+
+_DEFAULT_GRACE_PERIOD = 3.0
+DUPLICATE_SIGINT = 1.0  # seconds within which a second SIGINT is the same Ctrl-C
+
+# (text in a dead child's stderr, what to tell the user)
+_HINTS = [
+    (
+        "bootstrapping phase",
+        'likely cause: the main module has no `if __name__ == "__main__":` guard. Under '
+        "the spawn and forkserver start methods every child imports the main module again, "
+        "so code at its top level that starts processes runs again in each child. Put the "
+        "code that starts them under that guard.",
+    ),
+    (
+        "procspawn.spawn() was called while this process was still starting",
+        'likely cause: the main module has no `if __name__ == "__main__":` guard (see above).',
+    ),
+]
+
+OOM_HINT = (
+    " (nothing in procspawn sent it: the kernel's out-of-memory killer is a "
+    "common cause; check `dmesg` and the memory the processes use)"
+)
+
+
+def default_grace_period() -> float:
+    """Seconds a child gets between SIGTERM and SIGKILL (env ``PROCSPAWN_GRACE_PERIOD``,
+    default 3)."""
+    value = os.environ.get("PROCSPAWN_GRACE_PERIOD")
+    if value is None:
+        return _DEFAULT_GRACE_PERIOD
+    try:
+        grace = float(value)
+    except ValueError:
+        raise ValueError(
+            f"PROCSPAWN_GRACE_PERIOD must be a number of seconds, got {value!r}"
+        ) from None
+    if grace < 0:
+        raise ValueError(f"PROCSPAWN_GRACE_PERIOD must be >= 0, got {value!r}")
+    return grace
+
+
+def describe_exit(code: int, killed_on_purpose: bool = False) -> tuple[str, str | None]:
+    """How a child ended, as words for an error message, and its signal's name (or None):
+    ``("was terminated by signal SIGKILL (...)", "SIGKILL")``."""
+    if code < 0:
+        name = signal_name(-code)
+        text = f"was terminated by signal {name}"
+        if -code == signal.SIGKILL and not killed_on_purpose:
+            text += OOM_HINT
+        return text, name
+    return f"exited with exit code {code}", None
+
+
+def last_words(output: OutputForwarder | None, key: int, drain: float) -> str:
+    """What a child that died without a report printed last on stderr (waiting at most
+    ``drain`` seconds for it), and the likely cause when we know it; "" if nothing."""
+    if output is None:
+        return ""
+    output.wait_eof(key, drain)
+    tail = output.tail(key).rstrip()
+    if not tail:
+        return ""
+    text = "\nits last output on stderr was:\n" + "\n".join(
+        "    " + line for line in tail.splitlines()
+    )
+    for marker, hint in _HINTS:
+        if marker in tail:
+            text += "\n" + hint
+            break
+    return text
+
+
+def exit_handle(proc: BaseProcess) -> tuple[int, bool]:
+    """A descriptor that turns readable when ``proc`` exits, and whether it is ours to
+    close: a pidfd where the kernel has them (not fooled by a grandchild holding the
+    sentinel pipe's write end), else the Process sentinel."""
+    if hasattr(os, "pidfd_open") and proc.pid is not None:
+        try:
+            return os.pidfd_open(proc.pid), True
+        except OSError:
+            pass
+    return proc.sentinel, False
+
+
+class Watcher:
+    """One epoll over children's exits, channels and a wake-up pipe.
+
+    ``add(fd, key, write=False)`` watches a descriptor; ``wait(timeout)`` returns the
+    ``(key, readable, writable)`` of those ready; ``wake()`` (any thread) ends a wait.
+    """
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._woken = False
+
+    def add(self, fd: int, key: Any, write: bool = False) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if write else 0)
+        self._selector.register(fd, events, key)
+
+    def want_write(self, fd: int, key: Any, write: bool) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if write else 0)
+        self._selector.modify(fd, events, key)
+
+    def remove(self, fd: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fd)
+
+    def wake(self) -> None:
+        if self._woken:
+            return
+        self._woken = True
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def wait(self, timeout: float | None) -> list[tuple[Any, bool, bool]]:
+        ready = []
+        for selkey, events in self._selector.select(timeout):
+            if selkey.data is None:
+                self._woken = False
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                continue
+            ready.append(
+                (
+                    selkey.data,
+                    bool(events & selectors.EVENT_READ),
+                    bool(events & selectors.EVENT_WRITE),
+                )
+            )
+        return ready
+
+    def close(self) -> None:
+        self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def stop(processes: list[BaseProcess], grace_period: float, signum: int = signal.SIGTERM) -> None:
+    """Signal every live process, SIGKILL what is left after the grace period, reap all.
+
+    Whatever happens meanwhile, every process ends up killed and reaped: a Ctrl-C during
+    the grace period does not interrupt the stopping, it only cuts the grace short.
+    """
+    alive = [p for p in processes if p.exitcode is None]
+    begun = time.monotonic()
+
+    def hurry() -> None:
+        for p in alive:
+            if p.exitcode is None:
+                send_signal(p, signal.SIGKILL)
+
+    def on_sigint() -> None:
+        # One Ctrl-C often arrives twice (a terminal's SIGINT to the whole group and
+        # `timeout -s INT`'s to us): only a later one is the user asking to hurry.
+        if time.monotonic() - begun >= DUPLICATE_SIGINT:
+            hurry()
+
+    with sigint_held(on_sigint):
+        try:
+            for p in alive:
+                send_signal(p, signum)
+            deadline = time.monotonic() + grace_period
+            for p in alive:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            hurry()
+            for p in alive:
+                p.join()
+
+
+def send_signal(proc: BaseProcess, signum: int) -> None:
+    """``os.kill`` that does nothing to a process already gone."""
+    if proc.pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signum)
+
+
+@contextlib.contextmanager
+def sigint_held(on_sigint: Callable[[], None]) -> Iterator[None]:
+    """While children stop, a SIGINT calls ``on_sigint`` instead of raising (main thread
+    only; other threads cannot set handlers, and never get KeyboardInterrupt anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: on_sigint())
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

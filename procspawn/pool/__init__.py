@@ -1,0 +1,38 @@
+"""The pool half of procspawn: many tasks over a set of long-lived worker processes.
+
+``Pool`` has ``multiprocessing.pool.Pool``'s interface, ``ProcessPoolExecutor`` is a
+``concurrent.futures.Executor`` and ``get_reusable_executor()`` returns one executor per
+program, as loky's does. All three run on one dispatcher (``_dispatcher``): each worker has
+its own channel, the parent hands out tasks, and one thread watches every worker, so a
+death fails exactly what it must and never hangs a caller.
+
+Levels, each module importing only those below it:
+
+    3  _pool (Pool), _executor (ProcessPoolExecutor), _reusable (get_reusable_executor)
+    2  _dispatcher: hands out tasks, reads results, watches and replaces workers
+    1  _worker: the loop a worker runs;  _errors: TerminatedWorkerError, InitializerError
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_names
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._errors import InitializerError, TerminatedWorkerError
+    from ._executor import ProcessPoolExecutor
+    from ._pool import Pool
+    from ._reusable import get_reusable_executor
+
+_LAZY = {
+    "InitializerError": "._errors",
+    "Pool": "._pool",
+    "ProcessPoolExecutor": "._executor",
+    "TerminatedWorkerError": "._errors",
+    "get_reusable_executor": "._reusable",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, globals())

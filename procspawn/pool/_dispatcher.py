@@ -1,0 +1,848 @@
+"""The parent side of a pool: one thread hands out tasks to the workers and watches them.
+
+::
+
+    callers (any thread) ──submit(tasks)──▶ pending deque ──wake──┐
+                                                                  ▼
+    dispatcher thread: Watcher (epoll) over every worker's exit handle and channel
+        hand out: a task goes to a worker with room, pickled just then (so a segment
+                  the previous task let go is reused), sent without blocking
+        results:  each worker answers in the order it got its tasks
+        a death:  the oldest task it held failed (or, for an executor, every task: it
+                  breaks, as the stdlib's does); the others handed out again; a new
+                  worker started in its place
+
+Nothing is shared between workers (no queue, lock or pipe that a dying worker could hold),
+and only this thread touches the workers, their channels and the pending deque's head, so
+no death can leave state half-written. A death is seen the moment the kernel reports it
+(pidfd), never by polling. A worker procspawn stops on purpose (the caller's Ctrl-C, a
+shrinking pool, an idle timeout) goes through the same path, marked as such.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from .._output import OutputForwarder
+from ..context._errors import ProcessExitedException
+from ..context._launch import parent_death_signal_is_safe, start_child
+from ..context._watch import (
+    Watcher,
+    default_grace_period,
+    describe_exit,
+    exit_handle,
+    last_words,
+    send_signal,
+    sigint_held,
+    stop,
+)
+from ..sharing import _pickler, _strategy
+from ..sharing._fdpass import ChannelClosed, MessageReader, message_size, send_more
+from ..sharing._message import Message
+from ..sharing._startup import StartupMessage
+from . import _worker
+from ._errors import InitializerError, TerminatedWorkerError
+
+_log = logging.getLogger("procspawn.pool")
+
+_OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
+_FUNCTIONS_KEPT = 16  # functions a worker keeps (one per job it has tasks of)
+_STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
+_MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
+
+RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
+
+
+class Task:
+    """One message's worth of work: a call, or a chunk of a map."""
+
+    __slots__ = ("job", "index", "kind", "payload")
+
+    def __init__(self, job: Job, index: int, kind: int, payload: Any) -> None:
+        self.job = job
+        self.index = index
+        self.kind = kind
+        self.payload = payload
+
+
+class Job:
+    """What callers wait on. The dispatcher calls ``start`` before it hands a task out
+    (False: drop it, it was cancelled) and ``settle`` with each task's outcome."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, fn: Any) -> None:
+        self.id = next(self._ids)
+        self.fn = fn
+        self.abandoned = False
+
+    def start(self, task: Task) -> bool:
+        return not self.abandoned
+
+    def cancel(self, task: Task) -> None:
+        """The task will not run (``shutdown(cancel_futures=True)``)."""
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        raise NotImplementedError
+
+    def describe(self, task: Task) -> str:
+        """A short repr of the call a task makes, for error messages."""
+        return describe_call(self.fn, task.kind, task.payload)
+
+
+def describe_call(fn: Any, kind: int, payload: Any) -> str:
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlist, r.maxtuple, r.maxdict = 40, 40, 3, 3, 3
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    if payload is None:
+        return f"{name}(...)"
+    if kind == _worker.APPLY:
+        args, kwargs = payload
+        parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
+        return f"{name}({', '.join(parts)})"
+    items = list(payload)
+    calls = [
+        f"{name}({', '.join(r.repr(a) for a in item) if kind == _worker.STARMAP else r.repr(item)})"
+        for item in items[:2]
+    ]
+    if len(items) > 2:
+        calls.append(f"... ({len(items)} calls in this chunk)")
+    return ", ".join(calls)
+
+
+class _Worker:
+    __slots__ = (
+        "slot",
+        "proc",
+        "sock",
+        "reader",
+        "exit_fd",
+        "own_exit_fd",
+        "tasks",
+        "known",
+        "budget",
+        "ready",
+        "outbox",
+        "stopping",
+        "kill_at",
+        "idle_since",
+        "pid",
+    )
+
+    def __init__(self, slot: int, proc: BaseProcess, sock: socket.socket, budget: int | None):
+        self.slot = slot
+        self.proc = proc
+        self.pid: int = proc.pid  # type: ignore[assignment]
+        self.sock = sock
+        self.reader = MessageReader(sock)
+        self.exit_fd, self.own_exit_fd = exit_handle(proc)
+        self.tasks: collections.deque[Task] = collections.deque()
+        self.known: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.budget = budget  # tasks it may still get (maxtasksperchild), None: no limit
+        self.ready = False
+        # messages not yet wholly sent: [Message, bytes sent so far]
+        self.outbox: collections.deque[list[Any]] = collections.deque()
+        self.stopping: str | None = None  # why procspawn stops it, if it does
+        self.kill_at: float | None = None  # when to SIGKILL it (stopping)
+        self.idle_since = time.monotonic()
+
+
+
+class Dispatcher:
+    """A set of worker processes and the thread that feeds and watches them.
+
+    Args:
+        processes: how many workers to keep.
+        start_method: "fork", "spawn" or "forkserver".
+        initializer, initargs: run in each worker as it starts.
+        max_tasks: a worker exits after this many tasks and is replaced (None: never).
+        break_on_death: an unexpected death fails every task and stops the pool (what
+            ``concurrent.futures`` does); otherwise only the dead worker's task fails.
+        lazy: start workers as work comes (up to ``processes``), not all at once.
+        idle_timeout: a worker idle this long exits; started again when work comes.
+        name: for thread and process names.
+    """
+
+    def __init__(
+        self,
+        processes: int,
+        *,
+        start_method: str,
+        initializer: Callable[..., Any] | None = None,
+        initargs: Iterable[Any] = (),
+        max_tasks: int | None = None,
+        break_on_death: bool = False,
+        lazy: bool = False,
+        idle_timeout: float | None = None,
+        name: str = "pool",
+    ) -> None:
+        self.size = processes
+        self.lazy = lazy or idle_timeout is not None
+        self.start_method = start_method
+        self.max_tasks = max_tasks
+        self.break_on_death = break_on_death
+        self.idle_timeout = idle_timeout
+        self.name = name
+        self.state = RUNNING
+        self.broken: BaseException | None = None
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._pending: collections.deque[Task] = collections.deque()
+        self._workers: dict[int, _Worker] = {}
+        self._slots = itertools.count()
+        self._startup_failures = 0
+        self._feeders = 0
+        self._requests: list[Callable[[], None]] = []  # run by the dispatcher thread
+        self._output = OutputForwarder()
+        self._watcher = Watcher()
+        deferred: list[Any] = []
+        message = _pickler.dumps(
+            (initializer, tuple(initargs), _strategy.snapshot()), deferred=deferred
+        )
+        self._payload = StartupMessage(message, deferred)
+        self._thread: threading.Thread | None = None
+        self._grace = default_grace_period()
+        try:
+            for _ in range(0 if self.lazy else processes):
+                self._start_worker()
+        except BaseException:
+            self._stop_all(0.0)
+            for worker in list(self._workers.values()):
+                self._forget_worker(worker)
+            self._release()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"procspawn-{name}-dispatcher", daemon=True
+        )
+        self._thread.start()
+        _live.add(self)
+
+    # -- the callers' side (any thread) ----------------------------------------------------
+
+    def submit(self, tasks: Iterable[Task], accepted: bool = False) -> None:
+        """Queue tasks; raises if the pool no longer takes work (``accepted``: tasks of
+        a job accepted before ``close()``, which still runs them)."""
+        with self._lock:
+            self._check_open(CLOSING if accepted else RUNNING)
+            self._pending.extend(tasks)
+        self._watcher.wake()
+
+    def feeding(self, change: int) -> None:
+        """A job that will submit more tasks starts (+1) or ends (-1) feeding: a closed
+        pool waits for it before its workers exit."""
+        with self._lock:
+            self._feeders += change
+        self._watcher.wake()
+
+    def _check_open(self, at_most: str = RUNNING) -> None:
+        if self.broken is not None:
+            raise self.broken
+        if self.state not in (RUNNING, at_most):
+            raise ValueError("Pool not running")
+
+    def request(self, action: Callable[[], None]) -> None:
+        """Run ``action`` in the dispatcher thread, soon."""
+        with self._lock:
+            self._requests.append(action)
+        self._watcher.wake()
+
+    def abandon(self, job: Job, kill_running: bool = True) -> None:
+        """Drop a job's tasks not handed out yet and (``kill_running``) stop the workers
+        running its others, quietly; they are replaced."""
+        job.abandoned = True
+
+        def act() -> None:
+            self._drop_pending(lambda task: task.job is job)
+            if kill_running:
+                for worker in list(self._workers.values()):
+                    if worker.tasks and worker.tasks[0].job is job:
+                        self._stop_worker(worker, "its task was abandoned", self._grace)
+
+        self.request(act)
+
+    def cancel_pending(self) -> None:
+        """Drop every task not handed out yet, telling its job."""
+        with self._lock:
+            dropped, self._pending = list(self._pending), collections.deque()
+        for task in dropped:
+            task.job.cancel(task)
+        self._watcher.wake()
+
+    def resize(self, processes: int) -> None:
+        def act() -> None:
+            self.size = processes
+            self._fill()
+            self._shrink()
+
+        self.request(act)
+
+    def close(self) -> None:
+        """Take no more work; the workers exit once every task is done."""
+        with self._lock:
+            if self.state == RUNNING:
+                self.state = CLOSING
+        self._watcher.wake()
+
+    def terminate(
+        self,
+        grace_period: float | None = None,
+        error: BaseException | None = None,
+        wait: bool = True,
+    ) -> None:
+        """Stop every worker now (SIGTERM, SIGKILL after the grace period); tasks not done
+        fail with ``error`` (default: the pool was terminated). ``wait``: until done (a
+        second Ctrl-C meanwhile only cuts the grace period short)."""
+        grace = self._grace if grace_period is None else grace_period
+        with self._lock:
+            if self.state in (RUNNING, CLOSING):
+                self.state = STOPPING
+                self._stop_grace = grace
+                self._stop_error = error
+        self._watcher.wake()
+        if wait:
+            with sigint_held(self._hurry):
+                self.join()
+
+    def _hurry(self) -> None:
+        self._stop_grace = 0.0
+        for worker in list(self._workers.values()):
+            send_signal(worker.proc, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the dispatcher to finish (after close or terminate)."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def workers(self) -> list[BaseProcess]:
+        return [w.proc for w in list(self._workers.values())]
+
+    def alive(self) -> bool:
+        return self.state in (RUNNING, CLOSING) and self.broken is None
+
+    # -- the dispatcher thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._take_requests()
+                if self.state == STOPPING:
+                    self._finish_stopping()
+                    return
+                if self.broken is not None:
+                    return
+                if self.state == CLOSING and self._all_done():
+                    for worker in list(self._workers.values()):
+                        if not worker.stopping:
+                            self._retire(worker, "the pool was closed")
+                    if not self._workers:
+                        self.state = DONE
+                        return
+                else:
+                    self._hand_out()
+                for key, readable, writable in self._watcher.wait(self._timeout()):
+                    kind, worker = key
+                    if worker.slot not in self._workers:
+                        continue
+                    if kind == "exit":
+                        self._on_exit(worker)
+                        continue
+                    if writable:
+                        self._flush(worker)
+                    if readable:
+                        self._read(worker)
+                self._on_timers()
+        except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
+            _log.exception("procspawn pool dispatcher failed")
+            self._break(RuntimeError(f"the pool's dispatcher thread failed: {exc!r}"))
+        finally:
+            self._release()
+
+    def _take_requests(self) -> None:
+        with self._lock:
+            requests, self._requests = self._requests, []
+        for action in requests:
+            action()
+
+    def _timeout(self) -> float | None:
+        now = time.monotonic()
+        times = [w.kill_at for w in self._workers.values() if w.kill_at is not None]
+        if self.idle_timeout is not None:
+            times += [
+                w.idle_since + self.idle_timeout
+                for w in self._workers.values()
+                if not w.tasks and not w.stopping
+            ]
+        if not times:
+            return None
+        return max(0.0, min(times) - now)
+
+    def _on_timers(self) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers.values()):
+            if worker.kill_at is not None and now >= worker.kill_at:
+                send_signal(worker.proc, signal.SIGKILL)
+                worker.kill_at = None
+            elif (
+                self.idle_timeout is not None
+                and not worker.tasks
+                and not worker.stopping
+                and now - worker.idle_since >= self.idle_timeout
+                and not self._pending
+            ):
+                self._retire(worker, "idle for longer than the timeout")
+
+    def _all_done(self) -> bool:
+        return (
+            not self._feeders
+            and not self._pending
+            and not any(w.tasks for w in self._workers.values())
+        )
+
+    # -- starting and stopping workers ------------------------------------------------------
+
+    def _start_worker(self) -> _Worker:
+        slot = next(self._slots)
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            args = (
+                self._payload,
+                child_end,
+                os.getpid(),
+                parent_death_signal_is_safe(self.start_method),
+                self.max_tasks,
+            )
+            proc = start_child(
+                _worker.main,
+                args,
+                start_method=self.start_method,
+                output=self._output,
+                key=slot,
+                name=f"procspawn-{self.name}-worker-{slot}",
+                daemon=True,
+            )
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            child_end.close()
+        parent_end.setblocking(False)
+        worker = _Worker(slot, proc, parent_end, self.max_tasks)
+        self._workers[slot] = worker
+        self._watcher.add(worker.exit_fd, ("exit", worker))
+        self._watcher.add(parent_end.fileno(), ("chan", worker))
+        return worker
+
+    def _live_count(self) -> int:
+        return sum(1 for w in self._workers.values() if not w.stopping and w.budget != 0)
+
+    def _fill(self) -> None:
+        """Start workers up to the pool's size (lazily when idle workers time out)."""
+        if self.state not in (RUNNING, CLOSING) or self.broken is not None:
+            return
+        wanted = self.size
+        if self.lazy:
+            busy = len(self._pending) + sum(len(w.tasks) for w in self._workers.values())
+            wanted = min(wanted, busy)
+        if self.state == CLOSING and not self._pending:
+            return
+        while self._live_count() < wanted:
+            try:
+                self._start_worker()
+            except OSError as exc:
+                self._break(
+                    OSError(
+                        exc.errno,
+                        f"the pool could not start a worker process: {exc.strerror}",
+                    )
+                )
+                return
+
+    def _shrink(self) -> None:
+        extra = self._live_count() - self.size
+        for worker in sorted(self._workers.values(), key=lambda w: len(w.tasks)):
+            if extra <= 0:
+                break
+            if not worker.stopping and worker.budget != 0:
+                self._retire(worker, "the pool was made smaller")
+                extra -= 1
+
+    def _retire(self, worker: _Worker, why: str) -> None:
+        """Let a worker finish the tasks it has and exit (it gets no more)."""
+        _log.debug("worker pid %s retires: %s", worker.pid, why)
+        worker.stopping = why
+        self._send(worker, None)
+
+    def _stop_worker(self, worker: _Worker, why: str, grace: float) -> None:
+        """Stop a worker now, on purpose: SIGTERM, SIGKILL after ``grace``."""
+        if worker.stopping and worker.kill_at is not None:
+            return
+        _log.debug("stopping worker pid %s: %s", worker.pid, why)
+        worker.stopping = why
+        send_signal(worker.proc, signal.SIGTERM)
+        worker.kill_at = time.monotonic() + grace
+
+    def _stop_all(self, grace: float) -> None:
+        procs = [w.proc for w in self._workers.values()]
+        stop(procs, grace)
+
+    def _finish_stopping(self) -> None:
+        error = getattr(self, "_stop_error", None) or RuntimeError(
+            "the pool was terminated before this task finished"
+        )
+        self._stop_all(getattr(self, "_stop_grace", self._grace))
+        for worker in list(self._workers.values()):
+            self._read(worker)  # results already sent are kept
+            tasks = list(worker.tasks)
+            worker.tasks.clear()
+            for task in tasks:
+                _settle(task, False, error)
+            self._forget_worker(worker)
+        self._drop_pending(lambda task: True, error)
+        self.state = DONE
+
+    def _break(self, error: BaseException) -> None:
+        """The pool cannot go on: fail every task with ``error`` and stop every worker."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+        self._stop_all(0.0)
+        for worker in list(self._workers.values()):
+            tasks = list(worker.tasks)
+            worker.tasks.clear()
+            for task in tasks:
+                _settle(task, False, error)
+            self._forget_worker(worker)
+        self._drop_pending(lambda task: True, error)
+        self.state = DONE
+
+    def _drop_pending(self, which: Callable[[Task], bool], error: BaseException | None = None):
+        with self._lock:
+            dropped = [t for t in self._pending if which(t)]
+            if dropped:
+                self._pending = collections.deque(t for t in self._pending if not which(t))
+        if error is not None:
+            for task in dropped:
+                _settle(task, False, error)
+
+    def _forget_worker(self, worker: _Worker) -> None:
+        self._workers.pop(worker.slot, None)
+        self._watcher.remove(worker.exit_fd)
+        self._watcher.remove(worker.sock.fileno())
+        if worker.own_exit_fd:
+            os.close(worker.exit_fd)
+        for message, _sent in worker.outbox:
+            if message is not None:
+                message.abandon()
+        worker.outbox.clear()
+        worker.reader.close()
+        worker.sock.close()
+        worker.proc.join(0)
+        if worker.proc.exitcode is not None and hasattr(worker.proc, "close"):
+            worker.proc.close()
+
+    def _release(self) -> None:
+        self._watcher.close()
+        self._payload.close()
+        self._output.close(_OUTPUT_DRAIN)
+        _live.discard(self)
+
+    # -- handing out tasks -----------------------------------------------------------------
+
+    def _hand_out(self) -> None:
+        if self.broken is not None or self.state not in (RUNNING, CLOSING):
+            return
+        self._fill()
+        if not self._pending:
+            return
+        open_workers = [w for w in self._workers.values() if not w.stopping and w.budget != 0]
+        # one task to each worker with none; then, with a backlog, one more to those that
+        # are ready, so a worker never waits for the round trip between two tiny tasks
+        for room in (1, 2):
+            for worker in open_workers:
+                if not self._pending:
+                    return
+                if len(worker.tasks) >= room or (room == 2 and not worker.ready):
+                    continue
+                if room == 2 and len(self._pending) <= len(open_workers):
+                    return
+                self._give(worker)
+
+    def _give(self, worker: _Worker) -> None:
+        while self._pending:
+            with self._lock:
+                if not self._pending:
+                    return
+                task = self._pending.popleft()
+            if task.job.start(task):
+                break
+        else:
+            return
+        job = task.job
+        fn = None
+        forget = None
+        if job.id in worker.known:
+            worker.known.move_to_end(job.id)
+        else:
+            fn = job.fn
+            worker.known[job.id] = None
+            if len(worker.known) > _FUNCTIONS_KEPT:
+                forget = worker.known.popitem(last=False)[0]
+        try:
+            message = _pickler.dumps((job.id, fn, forget, task.kind, task.payload))
+        except BaseException as exc:
+            if fn is not None:
+                worker.known.pop(job.id, None)
+            _settle(task, False, _pickling_error(job, task, exc))
+            return
+        worker.tasks.append(task)
+        if worker.budget is not None:
+            worker.budget -= 1
+        self._send(worker, message)
+
+    def _send(self, worker: _Worker, message: Message | None) -> None:
+        """Queue a message (None: the exit request) and send what the socket takes."""
+        if message is None:
+            message = _pickler.dumps(None)
+        worker.outbox.append([message, 0])
+        self._flush(worker)
+
+    def _flush(self, worker: _Worker) -> None:
+        try:
+            while worker.outbox:
+                entry = worker.outbox[0]
+                message, sent = entry
+                if len(message.fds) > _MAX_FDS_NONBLOCKING and sent == 0:
+                    from ..sharing._fdpass import send_message
+
+                    worker.sock.setblocking(True)
+                    try:
+                        send_message(worker.sock, message.data, message.fds)
+                    finally:
+                        worker.sock.setblocking(False)
+                    sent = message_size(message.data)
+                elif sent == 0:
+                    from ..sharing._fdpass import try_send_message
+
+                    sent = try_send_message(worker.sock, message.data, message.fds)
+                    if sent and sent < message_size(message.data):
+                        sent = send_more(worker.sock, message.data, len(message.fds), sent)
+                else:
+                    sent = send_more(worker.sock, message.data, len(message.fds), sent)
+                entry[1] = sent
+                if sent < message_size(message.data):
+                    self._watcher.want_write(worker.sock.fileno(), ("chan", worker), True)
+                    return
+                worker.outbox.popleft()
+                message.close()
+            self._watcher.want_write(worker.sock.fileno(), ("chan", worker), False)
+        except OSError:
+            # the worker is gone (EPIPE, ECONNRESET): its exit handle tells the rest
+            self._watcher.want_write(worker.sock.fileno(), ("chan", worker), False)
+
+    # -- results ----------------------------------------------------------------------------
+
+    def _read(self, worker: _Worker) -> None:
+        reader = worker.reader
+        while True:
+            try:
+                if not reader.feed():
+                    continue
+            except (BlockingIOError, InterruptedError):
+                return
+            except (ChannelClosed, OSError):
+                reader.eof = True
+                self._watcher.remove(worker.sock.fileno())
+                return
+            data, fds = reader.pop()
+            self._on_message(worker, data, fds)
+            if worker.slot not in self._workers or self.broken is not None:
+                return
+
+    def _on_message(self, worker: _Worker, data: bytes, fds: list[int]) -> None:
+        try:
+            message = _pickler.loads(data, fds)
+        except Exception as exc:
+            if not worker.tasks:
+                return
+            task = worker.tasks.popleft()
+            _settle(task, False, _unpickling_error(task, worker, exc))
+            self._done_with(worker)
+            return
+        tag = message[0]
+        if tag == "r":
+            task = worker.tasks.popleft()
+            _settle(task, True, message[1])
+            self._done_with(worker)
+        elif tag == "e":
+            task = worker.tasks.popleft()
+            _settle(task, False, remote_error(message[1], message[2]))
+            self._done_with(worker)
+        elif tag == "R":
+            worker.ready = True
+            self._startup_failures = 0
+        elif tag == "I":
+            error = InitializerError(
+                f"the pool's initializer raised in worker pid {worker.pid}; the pool cannot "
+                f"run tasks. Fix the initializer (or catch the error in it). Its "
+                f"traceback:\n{message[2]}"
+            )
+            error.__cause__ = message[1]
+            self._break(error)
+
+    def _done_with(self, worker: _Worker) -> None:
+        if not worker.tasks:
+            worker.idle_since = time.monotonic()
+
+    # -- deaths -----------------------------------------------------------------------------
+
+    def _on_exit(self, worker: _Worker) -> None:
+        self._watcher.remove(worker.exit_fd)
+        if not worker.reader.eof:
+            self._read(worker)  # what it sent before it died is all there by now
+            if worker.slot not in self._workers:
+                return
+        proc = worker.proc
+        proc.join(5.0)  # the exit status (under forkserver it comes from the server)
+        code = proc.exitcode
+        if code is None:  # cannot happen short of a kernel oddity: make it true
+            send_signal(proc, signal.SIGKILL)
+            proc.join()
+            code = proc.exitcode
+        assert code is not None
+        tasks = list(worker.tasks)
+        worker.tasks.clear()
+        expected = worker.stopping is not None
+        retired = (
+            code == 0
+            and not tasks
+            and (worker.budget == 0 or worker.stopping is not None or self.state == CLOSING)
+        )
+        self._forget_worker(worker)
+        if expected or retired:
+            # stopped on purpose: the task it was running was abandoned; the rest go back
+            if tasks and tasks[0].job.abandoned:
+                tasks = tasks[1:]
+            self._requeue(tasks)
+            self._fill()
+            return
+        error = self._death_error(worker, code, tasks[0] if tasks else None)
+        if not worker.ready and not tasks:
+            self._startup_failures += 1
+            if self._startup_failures >= _STARTUP_FAILURES:
+                broken = InitializerError(
+                    f"{_STARTUP_FAILURES} pool workers in a row died before they were "
+                    f"ready; the pool cannot run tasks. The last one: {error.msg}"
+                )
+                broken.__cause__ = error
+                self._break(broken)
+                return
+        if self.break_on_death:
+            self._requeue(tasks)
+            self._break(self._broken_error(error))
+            return
+        if tasks:
+            _settle(tasks[0], False, error)
+        self._requeue(tasks[1:])
+        self._fill()
+
+    def _requeue(self, tasks: list[Task]) -> None:
+        if not tasks:
+            return
+        with self._lock:
+            self._pending.extendleft(reversed(tasks))
+
+    def _death_error(self, worker: _Worker, code: int, task: Task | None) -> ProcessExitedException:
+        how, name = describe_exit(code)
+        running = f" while running {task.job.describe(task)}" if task is not None else " while idle"
+        msg = f"pool worker (pid {worker.pid}) {how}{running}"
+        msg += last_words(self._output, worker.slot, _OUTPUT_DRAIN)
+        return ProcessExitedException(msg, worker.slot, worker.pid, code, name)
+
+    def _broken_error(self, error: ProcessExitedException) -> BaseException:
+        return TerminatedWorkerError(
+            "A process in the process pool was terminated abruptly while the future was "
+            "running or pending: " + error.msg,
+            error.error_index,
+            error.pid,
+            error.exit_code,
+            error.signal_name,
+        )
+
+
+def _settle(task: Task, ok: bool, value: Any) -> None:
+    job = task.job
+    task.payload = None
+    try:
+        job.settle(task, ok, value)
+    except Exception:
+        _log.exception("procspawn pool: a result callback raised")
+
+
+def remote_error(exc: BaseException | None, text: str) -> BaseException:
+    """The exception a task raised, with the worker's traceback as its cause (as the
+    stdlib's pools give it)."""
+    from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]
+
+    if exc is None:
+        exc = RuntimeError(
+            "the task raised an exception that could not be sent back to the parent; "
+            "its traceback:\n" + text
+        )
+    exc.__cause__ = RemoteTraceback(text)
+    return exc
+
+
+def _pickling_error(job: Job, task: Task, exc: BaseException) -> BaseException:
+    """A task that cannot be pickled: the error itself, which names what failed."""
+    return exc
+
+
+def _unpickling_error(task: Task, worker: _Worker, exc: BaseException) -> BaseException:
+    import pickle
+
+    err = pickle.UnpicklingError(
+        f"the result of {task.job.describe(task)} sent by worker pid {worker.pid} could not "
+        f"be unpickled in the parent: {type(exc).__name__}: {exc}. Return plain data (or "
+        f"objects whose classes the parent can import)"
+    )
+    err.__cause__ = exc
+    return err
+
+
+_live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    """Stop what is still running as the program ends: the work of an executor is waited
+    for (as the stdlib's), unless the program ends on Ctrl-C; a Pool's is not."""
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    for dispatcher in list(_live):
+        if dispatcher._owner != os.getpid():
+            continue
+        if dispatcher.break_on_death and not interrupted and dispatcher.alive():
+            dispatcher.close()
+            dispatcher.join()
+        else:
+            dispatcher.terminate()
+
+
+atexit.register(_at_exit)
+__all__ = ["Dispatcher", "Job", "Task", "remote_error"]

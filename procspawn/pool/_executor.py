@@ -1,0 +1,228 @@
+"""``procspawn.ProcessPoolExecutor``: a ``concurrent.futures.Executor`` on the dispatcher.
+
+As ``concurrent.futures.ProcessPoolExecutor``: ``submit`` returns a Future, ``map`` an
+iterator of results in order, and a worker that dies unexpectedly breaks the executor:
+every future not done and every later ``submit`` raise ``procspawn.TerminatedWorkerError``,
+a ``BrokenProcessPool`` that names the worker, how it died, the call it ran and its last
+stderr lines. Unlike the stdlib's, functions travel by cloudpickle (lambdas, closures,
+``__main__``), arrays through shared memory, and no queue or lock is shared between
+workers. Workers start as work comes, up to ``max_workers``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as _cf
+import copy
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from . import _worker
+from ._dispatcher import Dispatcher, Job, Task
+from ._pool import start_method_of
+
+
+class _CallJob(Job):
+    def __init__(self, fn: Any, future: _cf.Future) -> None:
+        super().__init__(fn)
+        self.future = future
+
+    def start(self, task: Task) -> bool:
+        return self.future.set_running_or_notify_cancel()
+
+    def cancel(self, task: Task) -> None:
+        self.future.cancel()
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        _set(self.future, ok, value)
+
+
+class _ChunksJob(Job):
+    """``map``: one future per chunk, the function sent once per worker."""
+
+    def __init__(self, fn: Any, futures: list[_cf.Future]) -> None:
+        super().__init__(fn)
+        self.futures = futures
+
+    def start(self, task: Task) -> bool:
+        return self.futures[task.index].set_running_or_notify_cancel()
+
+    def cancel(self, task: Task) -> None:
+        self.futures[task.index].cancel()
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        _set(self.futures[task.index], ok, value)
+
+
+def _set(future: _cf.Future, ok: bool, value: Any) -> None:
+    try:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+    except _cf.InvalidStateError:
+        pass  # cancelled meanwhile (it was still pending)
+
+
+class ProcessPoolExecutor(_cf.Executor):
+    """A ``concurrent.futures`` executor running calls in worker processes.
+
+    Args:
+        max_workers: at most this many workers (default ``os.cpu_count()``); they start
+            as work comes.
+        mp_context: a multiprocessing context (or start method name) for the workers
+            (default: multiprocessing's default start method).
+        initializer: called as ``initializer(*initargs)`` in each worker as it starts; if
+            it raises, the executor is broken (``procspawn.InitializerError``, a
+            ``BrokenProcessPool``).
+        initargs: its arguments.
+        max_tasks_per_child: a worker exits after this many calls and a new one takes
+            its place (allowed with every start method).
+    """
+
+    def __init__(
+        self,
+        max_workers: int | None = None,
+        mp_context: Any = None,
+        initializer: Callable[..., Any] | None = None,
+        initargs: Iterable[Any] = (),
+        *,
+        max_tasks_per_child: int | None = None,
+        _idle_timeout: float | None = None,
+    ) -> None:
+        if max_workers is None:
+            max_workers = os.cpu_count() or 1
+        elif max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
+                raise TypeError("max_tasks_per_child must be an integer")
+            if max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+        self._max_workers = max_workers
+        self._mp_context = mp_context
+        self._shutdown_lock = threading.Lock()
+        self._shutdown = False
+        self._dispatcher = Dispatcher(
+            max_workers,
+            start_method=start_method_of(mp_context),
+            initializer=initializer,
+            initargs=initargs,
+            max_tasks=max_tasks_per_child,
+            break_on_death=True,
+            lazy=True,
+            idle_timeout=_idle_timeout,
+            name="executor",
+        )
+
+    @property
+    def _processes(self) -> dict[int, Any]:
+        """The worker processes now, by pid (the stdlib's attribute)."""
+        return {p.pid: p for p in self._dispatcher.workers() if p.pid is not None}
+
+    @property
+    def _broken(self) -> bool | str:
+        broken = self._dispatcher.broken
+        return False if broken is None else str(broken)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> _cf.Future:
+        """Run ``fn(*args, **kwargs)`` in a worker; returns a Future.
+
+        Raises:
+            concurrent.futures.process.BrokenProcessPool: a worker died (the executor is
+                broken; ``procspawn.TerminatedWorkerError`` says how).
+            RuntimeError: after ``shutdown()``.
+        """
+        with self._shutdown_lock:
+            self._check_open()
+            future: _cf.Future = _cf.Future()
+            job = _CallJob(fn, future)
+            self._dispatcher.submit([Task(job, 0, _worker.APPLY, (args, kwargs))])
+        return future
+
+    def _check_open(self) -> None:
+        broken = self._dispatcher.broken
+        if broken is not None:
+            error = copy.copy(broken)
+            error.__cause__ = broken.__cause__
+            raise error
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    def map(
+        self,
+        fn: Callable[..., Any],
+        *iterables: Iterable[Any],
+        timeout: float | None = None,
+        chunksize: int = 1,
+    ) -> Iterator[Any]:
+        """``map(fn, *iterables)`` run in the workers, ``chunksize`` calls per message;
+        the iterator raises TimeoutError if a result is not there ``timeout`` seconds
+        after this call, and what ``fn`` raised for an item when that item comes."""
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        end_time = None if timeout is None else timeout + time.monotonic()
+        items = zip(*iterables, strict=False)
+        chunks: list[list[tuple[Any, ...]]] = []
+        while True:
+            chunk = list(itertools.islice(items, chunksize))
+            if not chunk:
+                break
+            chunks.append(chunk)
+        futures: list[_cf.Future] = [_cf.Future() for _ in chunks]
+        with self._shutdown_lock:
+            self._check_open()
+            if chunks:
+                job = _ChunksJob(fn, futures)
+                self._dispatcher.submit(
+                    Task(job, n, _worker.STARMAP, chunk) for n, chunk in enumerate(chunks)
+                )
+        return _results(list(futures), end_time)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Take no more calls; the workers exit once the calls given are done.
+
+        Args:
+            wait: return once every worker exited.
+            cancel_futures: cancel the calls not started yet.
+        """
+        with self._shutdown_lock:
+            self._shutdown = True
+        if cancel_futures:
+            self._dispatcher.cancel_pending()
+        self._dispatcher.close()
+        if wait:
+            self._dispatcher.join()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if isinstance(exc, KeyboardInterrupt):
+            # Ctrl-C in the block: the calls are not waited for; their workers stop
+            with self._shutdown_lock:
+                self._shutdown = True
+            self._dispatcher.terminate(error=_cf.CancelledError("interrupted by Ctrl-C"))
+        else:
+            self.shutdown(wait=True)
+
+
+def _results(futures: list[_cf.Future], end_time: float | None) -> Iterator[Any]:
+    try:
+        futures.reverse()
+        while futures:
+            future = futures[-1]
+            if end_time is None:
+                values = future.result()
+            else:
+                values = future.result(end_time - time.monotonic())
+            futures.pop()
+            yield from values
+    finally:
+        for future in futures:
+            future.cancel()
+
+
+__all__ = ["ProcessPoolExecutor"]

@@ -1,0 +1,562 @@
+"""``procspawn.Pool``: ``multiprocessing.pool.Pool``'s interface on procspawn's dispatcher.
+
+What differs from the stdlib's is what happens when things go wrong: a worker that dies
+(any signal, ``os._exit``, a segfault, the OOM killer) fails exactly the task it was
+running with a ``ProcessExitedException``, the tasks it had not started run elsewhere, a
+new worker takes its place and the pool goes on; an initializer that raises fails every
+call with an ``InitializerError`` instead of restarting workers forever; Ctrl-C during a
+call stops that call's tasks (their workers are replaced) and raises one
+``KeyboardInterrupt``, in the caller. Functions travel by cloudpickle (lambdas, closures)
+and arrays through shared memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing import TimeoutError as _MpTimeoutError
+from typing import Any
+
+from . import _worker
+from ._dispatcher import Dispatcher, Job, Task
+
+_FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
+
+
+def start_method_of(context: Any) -> str:
+    """The start method a ``context`` argument names: a multiprocessing context
+    (procspawn's or the stdlib's), a method name, or None (multiprocessing's default)."""
+    if context is None:
+        return multiprocessing.get_start_method()
+    if isinstance(context, str):
+        method = context
+    else:
+        getter = getattr(context, "get_start_method", None)
+        if getter is None:
+            raise TypeError(
+                f"context must be a multiprocessing context (get_context('spawn')) or a "
+                f"start method name, got {context!r}"
+            )
+        method = getter()
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            f"unknown start method {method!r}; this platform has: "
+            f"{', '.join(multiprocessing.get_all_start_methods())}"
+        )
+    return method
+
+
+class ApplyResult:
+    """The result of ``apply_async`` (``multiprocessing.pool.AsyncResult``'s interface)."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        callback: Callable[[Any], Any] | None,
+        error_callback: Callable[[BaseException], Any] | None,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._event = threading.Event()
+        self._callback = callback
+        self._error_callback = error_callback
+        self._success = False
+        self._value: Any = None
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def successful(self) -> bool:
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return self._success
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._event.wait(timeout)
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The task's return value; raises what it raised (or how its worker died).
+
+        Raises:
+            multiprocessing.TimeoutError: not ready within ``timeout`` seconds.
+        """
+        try:
+            self._event.wait(timeout)
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+        if not self.ready():
+            raise _MpTimeoutError
+        if self._success:
+            return self._value
+        raise self._value
+
+    def _interrupted(self) -> None:
+        pass
+
+    def _finish(self, ok: bool, value: Any) -> None:
+        self._success, self._value = ok, value
+        try:
+            if ok and self._callback is not None:
+                self._callback(value)
+            elif not ok and self._error_callback is not None:
+                self._error_callback(value)
+        finally:
+            self._event.set()
+            self._callback = self._error_callback = None
+
+
+AsyncResult = ApplyResult
+
+
+class _ApplyJob(Job):
+    def __init__(self, fn: Any, result: ApplyResult) -> None:
+        super().__init__(fn)
+        self.result = result
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        if not self.result.ready():
+            self.result._finish(ok, value)
+
+
+class _CallResult(ApplyResult):
+    """An ApplyResult whose job is stopped when the caller's wait is interrupted."""
+
+    job: Job
+
+    def _interrupted(self) -> None:
+        if not self.ready():
+            self._dispatcher.abandon(self.job)
+
+
+class MapResult(_CallResult):
+    """The result of ``map_async`` / ``starmap_async``: the list of return values."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        length: int,
+        callback: Callable[[Any], Any] | None,
+        error_callback: Callable[[BaseException], Any] | None,
+    ) -> None:
+        super().__init__(dispatcher, callback, error_callback)
+        self._values: list[Any] = [None] * length
+        self._left = 0
+        self._lock = threading.Lock()
+        if length == 0:
+            self._finish(True, [])
+
+
+class _MapJob(Job):
+    def __init__(self, fn: Any, result: MapResult, chunks: list[tuple[int, int]]) -> None:
+        super().__init__(fn)
+        self.result = result
+        self.chunks = chunks  # (start, length) of each task's items
+        result._left = len(chunks)
+
+    def start(self, task: Task) -> bool:
+        return not self.abandoned and not self.result.ready()
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        result = self.result
+        if result.ready():
+            return
+        if not ok:
+            result._values = []
+            result._finish(False, value)
+            return
+        start, _length = self.chunks[task.index]
+        result._values[start : start + len(value)] = value
+        result._left -= 1
+        if result._left == 0:
+            values, result._values = result._values, []
+            result._finish(True, values)
+
+
+class IMapIterator:
+    """The iterator ``imap`` returns: results in order, ``next(timeout)`` as the stdlib's."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+        self._cond = threading.Condition(threading.Lock())
+        self._items: dict[int, tuple[bool, Any]] = {}  # chunk index -> outcome
+        self._buffer: list[Any] = []  # values of the current chunk not yet taken
+        self._next_chunk = 0
+        self._chunks_total: int | None = None  # known once the input is exhausted
+        self._input_error: BaseException | None = None
+        self._settled = 0  # chunks whose outcome came (the feeder waits on it)
+        self.job: Job | None = None
+
+    def __iter__(self) -> IMapIterator:
+        return self
+
+    def next(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            try:
+                while True:
+                    if self._buffer:
+                        return self._buffer.pop(0)
+                    outcome = self._take_next()
+                    if outcome is not None:
+                        ok, value = outcome
+                        if not ok:
+                            raise value
+                        self._buffer = list(value)
+                        continue
+                    if self._chunks_total is not None and self._next_chunk >= self._chunks_total:
+                        error, self._input_error = self._input_error, None
+                        if error is not None:
+                            raise error
+                        raise StopIteration
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise _MpTimeoutError
+                    self._cond.wait(remaining)
+            except KeyboardInterrupt:
+                if self.job is not None:
+                    self._dispatcher.abandon(self.job)
+                raise
+
+    __next__ = next
+
+    def _take_next(self) -> tuple[bool, Any] | None:
+        outcome = self._items.pop(self._next_chunk, None)
+        if outcome is not None:
+            self._next_chunk += 1
+        return outcome
+
+    def _put(self, index: int, ok: bool, value: Any) -> None:
+        with self._cond:
+            self._items[index] = (ok, value)
+            self._settled += 1
+            self._cond.notify_all()
+
+    def _input_done(self, chunks: int, error: BaseException | None) -> None:
+        with self._cond:
+            self._chunks_total = chunks
+            self._input_error = error
+            self._cond.notify_all()
+
+    def _wait_room(self, sent: int, ahead: int) -> bool:
+        """The feeder: wait until fewer than ``ahead`` chunks are being worked on; False
+        once the job was abandoned (the caller stopped or the pool ended)."""
+        with self._cond:
+            while sent - self._settled >= ahead:
+                if self.job is None or self.job.abandoned or not self._dispatcher.alive():
+                    return False
+                self._cond.wait(0.5)
+            return self.job is not None and not self.job.abandoned
+
+    def __del__(self) -> None:
+        job = self.job
+        if job is not None and not job.abandoned:
+            try:
+                self._dispatcher.abandon(job, kill_running=False)
+            except Exception:
+                pass
+
+
+class IMapUnorderedIterator(IMapIterator):
+    """The iterator ``imap_unordered`` returns: results as they come."""
+
+    def _take_next(self) -> tuple[bool, Any] | None:
+        if not self._items:
+            return None
+        index = next(iter(self._items))
+        outcome = self._items.pop(index)
+        self._next_chunk += 1
+        return outcome
+
+
+class _IMapJob(Job):
+    def __init__(self, fn: Any, iterator: IMapIterator) -> None:
+        super().__init__(fn)
+        self.iterator = iterator
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        self.iterator._put(task.index, ok, value)
+
+
+class Pool:
+    """A pool of worker processes, with ``multiprocessing.pool.Pool``'s interface.
+
+    Args:
+        processes: the number of workers (default ``os.cpu_count()``).
+        initializer: called as ``initializer(*initargs)`` in each worker as it starts.
+            If it raises, every call fails with ``procspawn.InitializerError``.
+        initargs: its arguments.
+        maxtasksperchild: a worker exits after this many tasks (a map chunk is one) and
+            a new one takes its place; None: workers live as long as the pool.
+        context: a multiprocessing context, or a start method name, whose start method
+            the workers use (default: multiprocessing's default start method).
+
+    A worker that dies while it runs a task fails that task (``get()`` or the
+    ``map``/``imap`` containing it raises ``procspawn.ProcessExitedException``, naming
+    the pid, the signal or exit code, the call and the worker's last stderr lines); the
+    other tasks go on, and a new worker takes its place.
+    """
+
+    def __init__(
+        self,
+        processes: int | None = None,
+        initializer: Callable[..., Any] | None = None,
+        initargs: Iterable[Any] = (),
+        maxtasksperchild: int | None = None,
+        context: Any = None,
+    ) -> None:
+        self._state = "INIT"
+        if processes is None:
+            processes = os.cpu_count() or 1
+        if processes < 1:
+            raise ValueError("Number of processes must be at least 1")
+        if maxtasksperchild is not None and (
+            not isinstance(maxtasksperchild, int)
+            or isinstance(maxtasksperchild, bool)
+            or maxtasksperchild <= 0
+        ):
+            raise ValueError("maxtasksperchild must be a positive int or None")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        self._processes = processes
+        self._dispatcher = Dispatcher(
+            processes,
+            start_method=start_method_of(context),
+            initializer=initializer,
+            initargs=initargs,
+            max_tasks=maxtasksperchild,
+            name="pool",
+        )
+        self._state = "RUN"
+
+    # -- the stdlib's introspection --------------------------------------------------------
+
+    @property
+    def _pool(self) -> list[Any]:
+        """The worker processes now (the stdlib's attribute, which its tests read)."""
+        return self._dispatcher.workers()
+
+    def _repopulate_pool(self) -> None:
+        """Workers are replaced as they exit; nothing to do (kept for the stdlib's tests)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__module__}.{type(self).__qualname__} "
+            f"state={self._state} pool_size={self._processes}>"
+        )
+
+    def __reduce__(self):
+        raise NotImplementedError("pool objects cannot be passed between processes or pickled")
+
+    def _check_running(self) -> None:
+        if self._state != "RUN":
+            raise ValueError("Pool not running")
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def apply(self, func: Callable[..., Any], args: Iterable[Any] = (), kwds: dict | None = None):
+        """``func(*args, **kwds)`` in a worker; waits for it and returns its value."""
+        return self.apply_async(func, args, kwds).get()
+
+    def apply_async(
+        self,
+        func: Callable[..., Any],
+        args: Iterable[Any] = (),
+        kwds: dict | None = None,
+        callback: Callable[[Any], Any] | None = None,
+        error_callback: Callable[[BaseException], Any] | None = None,
+    ) -> ApplyResult:
+        """``func(*args, **kwds)`` in a worker; returns an ``AsyncResult`` at once."""
+        self._check_running()
+        result = _CallResult(self._dispatcher, callback, error_callback)
+        job = _ApplyJob(func, result)
+        result.job = job
+        self._dispatcher.submit([Task(job, 0, _worker.APPLY, (tuple(args), dict(kwds or {})))])
+        return result
+
+    def map(
+        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int | None = None
+    ):
+        """``list(map(func, iterable))``, run in the workers in chunks."""
+        return self._map_async(func, iterable, _worker.MAP, chunksize).get()
+
+    def starmap(
+        self,
+        func: Callable[..., Any],
+        iterable: Iterable[Iterable[Any]],
+        chunksize: int | None = None,
+    ):
+        """``[func(*args) for args in iterable]``, run in the workers in chunks."""
+        return self._map_async(func, iterable, _worker.STARMAP, chunksize).get()
+
+    def map_async(
+        self,
+        func: Callable[[Any], Any],
+        iterable: Iterable[Any],
+        chunksize: int | None = None,
+        callback: Callable[[Any], Any] | None = None,
+        error_callback: Callable[[BaseException], Any] | None = None,
+    ) -> MapResult:
+        return self._map_async(func, iterable, _worker.MAP, chunksize, callback, error_callback)
+
+    def starmap_async(
+        self,
+        func: Callable[..., Any],
+        iterable: Iterable[Iterable[Any]],
+        chunksize: int | None = None,
+        callback: Callable[[Any], Any] | None = None,
+        error_callback: Callable[[BaseException], Any] | None = None,
+    ) -> MapResult:
+        return self._map_async(func, iterable, _worker.STARMAP, chunksize, callback, error_callback)
+
+    def _map_async(
+        self,
+        func: Any,
+        iterable: Iterable[Any],
+        kind: int,
+        chunksize: int | None,
+        callback: Any = None,
+        error_callback: Any = None,
+    ) -> MapResult:
+        self._check_running()
+        if not hasattr(iterable, "__len__"):
+            iterable = list(iterable)
+        items = list(iterable) if not isinstance(iterable, list) else iterable
+        if chunksize is None:
+            chunksize, extra = divmod(len(items), self._processes * 4)
+            if extra:
+                chunksize += 1
+        if len(items) == 0:
+            chunksize = 0
+        elif chunksize < 1:
+            raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        if kind == _worker.STARMAP:
+            items = [tuple(item) for item in items]
+        result = MapResult(self._dispatcher, len(items), callback, error_callback)
+        if not items:
+            return result
+        chunks = [(i, min(chunksize, len(items) - i)) for i in range(0, len(items), chunksize)]
+        job = _MapJob(func, result, chunks)
+        result.job = job
+        self._dispatcher.submit(
+            Task(job, n, kind, items[start : start + length])
+            for n, (start, length) in enumerate(chunks)
+        )
+        return result
+
+    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1):
+        """Like ``map``, but returns an iterator of the results, in order, as they come;
+        the input is read as the workers need it."""
+        return self._imap(IMapIterator, func, iterable, chunksize)
+
+    def imap_unordered(
+        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1
+    ):
+        """Like ``imap``, in the order the results come."""
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)
+
+    def _imap(self, cls: type[IMapIterator], func: Any, iterable: Iterable[Any], chunksize: int):
+        self._check_running()
+        if chunksize < 1:
+            raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        it = cls(self._dispatcher)
+        job = _IMapJob(func, it)
+        it.job = job
+        ahead = max(2, _FEED_AHEAD * self._processes)
+        self._dispatcher.feeding(+1)
+        threading.Thread(
+            target=_feed,
+            args=(self._dispatcher, job, it, iter(iterable), chunksize, ahead),
+            name="procspawn-pool-imap-feeder",
+            daemon=True,
+        ).start()
+        return it
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Take no more work; the workers exit once the work given is done."""
+        if self._state == "RUN":
+            self._state = "CLOSE"
+            self._dispatcher.close()
+
+    def terminate(self) -> None:
+        """Stop the workers now (SIGTERM, then SIGKILL after the grace period); results
+        not ready fail with a RuntimeError."""
+        self._state = "TERMINATE"
+        self._dispatcher.terminate()
+
+    def join(self) -> None:
+        """Wait for the workers to exit, after ``close()`` or ``terminate()``."""
+        if self._state == "RUN":
+            raise ValueError("Pool is still running")
+        if self._state not in ("CLOSE", "TERMINATE", "INIT"):
+            raise ValueError(f"Pool is in an unknown state {self._state!r}")
+        self._dispatcher.join()
+
+    def __enter__(self) -> Pool:
+        self._check_running()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.terminate()
+
+    def __del__(self, _warn: Callable[..., Any] = warnings.warn) -> None:
+        if getattr(self, "_state", None) == "RUN":
+            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
+            dispatcher = getattr(self, "_dispatcher", None)
+            if dispatcher is not None:
+                dispatcher.terminate(wait=False)
+
+
+def _feed(
+    dispatcher: Dispatcher,
+    job: _IMapJob,
+    it: IMapIterator,
+    source: Iterator[Any],
+    chunksize: int,
+    ahead: int,
+) -> None:
+    """imap's input, read in a thread of its own (a slow or blocking iterable never holds
+    up the dispatcher), at most ``ahead`` chunks ahead of what the caller has taken."""
+    sent = 0
+    error: BaseException | None = None
+    try:
+        while True:
+            if not it._wait_room(sent, ahead):
+                break
+            chunk = []
+            try:
+                for _ in range(chunksize):
+                    chunk.append(next(source))
+            except StopIteration:
+                pass
+            if chunk:
+                try:
+                    # accepted before any close(): goes on after it, as the stdlib's does
+                    dispatcher.submit([Task(job, sent, _worker.MAP, chunk)], accepted=True)
+                except BaseException as exc:
+                    it._put(sent, False, exc)
+                sent += 1
+            if len(chunk) < chunksize:
+                break
+    except BaseException as exc:  # the iterable raised: its results end there
+        error = exc
+    finally:
+        del source
+        it._input_done(sent, error)
+        dispatcher.feeding(-1)
+
+
+__all__ = [
+    "ApplyResult",
+    "AsyncResult",
+    "IMapIterator",
+    "IMapUnorderedIterator",
+    "MapResult",
+    "Pool",
+    "start_method_of",
+]

@@ -1,0 +1,87 @@
+"""``get_reusable_executor()``: one executor per program, reused by every call, as loky's.
+
+Calls with the same settings return the same executor, resized in place when only
+``max_workers`` differs (so a thread holding it never finds it shut down under it, the race
+of loky's issue #458). A broken or shut-down executor is replaced by a working one at the
+next call. Workers idle for ``timeout`` seconds exit and start again when work comes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ._executor import ProcessPoolExecutor
+from ._pool import start_method_of
+
+_lock = threading.Lock()
+_executor: ProcessPoolExecutor | None = None
+_settings: tuple[Any, ...] | None = None
+
+
+def get_reusable_executor(
+    max_workers: int | None = None,
+    timeout: float = 300,
+    *,
+    mp_context: Any = None,
+    initializer: Callable[..., Any] | None = None,
+    initargs: Iterable[Any] = (),
+    max_tasks_per_child: int | None = None,
+    kill_workers: bool = False,
+) -> ProcessPoolExecutor:
+    """The program's reusable ``ProcessPoolExecutor``, made or adjusted as asked.
+
+    Args:
+        max_workers: at most this many workers (default ``os.cpu_count()``); a different
+            number than last time resizes the executor in place.
+        timeout: seconds a worker may stay idle before it exits (it starts again when
+            work comes).
+        mp_context, initializer, initargs, max_tasks_per_child: as for
+            ``ProcessPoolExecutor``. Other values than last time make a new executor; the
+            old one finishes the calls it was given and takes no more.
+        kill_workers: with other settings than last time, stop the old executor's
+            workers now instead of letting them finish.
+
+    Safe to call from several threads at once.
+    """
+    global _executor, _settings
+    if max_workers is None:
+        max_workers = os.cpu_count() or 1
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers <= 0:
+        raise ValueError(f"max_workers must be an int greater than 0, got {max_workers!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    settings = (
+        start_method_of(mp_context),
+        initializer,
+        tuple(initargs),
+        max_tasks_per_child,
+        float(timeout),
+    )
+    with _lock:
+        executor = _executor
+        if executor is not None and executor._dispatcher.alive() and not executor._shutdown:
+            if settings == _settings:
+                if executor._max_workers != max_workers:
+                    executor._max_workers = max_workers
+                    executor._dispatcher.resize(max_workers)
+                return executor
+            if kill_workers:
+                executor._dispatcher.terminate(wait=False)
+            else:
+                executor.shutdown(wait=False)
+        _executor = ProcessPoolExecutor(
+            max_workers,
+            mp_context,
+            initializer,
+            initargs,
+            max_tasks_per_child=max_tasks_per_child,
+            _idle_timeout=float(timeout),
+        )
+        _settings = settings
+        return _executor
+
+
+__all__ = ["get_reusable_executor"]

@@ -1,0 +1,171 @@
+"""The child side of a pool: one worker's loop, reading tasks from its own channel.
+
+Each worker has a channel of its own (a socketpair with the parent); nothing is shared
+between workers, so a worker's death can leave nothing half-written. Messages::
+
+    parent -> worker   (job id, fn or None, job id to forget or None, kind, payload)
+                       None: exit now (the pool is closing)
+    worker -> parent   ("R",)                        ready: the initializer ran
+                       ("I", exception or None, text)  the initializer raised; exits 1
+                       ("r", value)                  a task's result
+                       ("e", exception or None, text)  a task raised (text: its traceback)
+
+A task's function is sent with the first task of its job that this worker gets and kept
+until the parent names it in "forget". Results go back in the order the tasks came, so
+the parent knows which task each answers and which one a dead worker was running.
+A task that calls ``sys.exit`` or ``os._exit`` ends the worker, like a signal would: the
+parent reports it as that task's death.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+from ..context import _posix
+from ..sharing import _pickler
+from ..sharing._fdpass import ChannelClosed, MessageReader, recv_message, send_message
+
+APPLY, MAP, STARMAP = 0, 1, 2
+
+
+def main(
+    payload: Any,
+    channel: socket.socket,
+    parent_pid: int,
+    use_death_signal: bool,
+    max_tasks: int | None,
+    redirect: Any = None,
+    environ: dict[str, str] | None = None,
+) -> None:
+    """Entry point of every pool worker (the ``multiprocessing.Process`` target)."""
+    if redirect is not None:
+        redirect.apply()  # fork, forkserver: output to the parent's pipes from here on
+    if environ is not None:  # forkserver: the parent's environment, not the server's
+        os.environ.clear()
+        os.environ.update(environ)
+    channel.settimeout(None)
+    if use_death_signal:
+        _posix.set_parent_death_signal()
+    _posix.watch_parent(parent_pid)
+    # Ctrl-C is the parent's to handle: it stops the workers itself, quietly. A handler
+    # (not SIG_IGN, which a program the task runs would inherit) keeps the signal away.
+    signal.signal(signal.SIGINT, _ignore)
+    try:
+        try:
+            initializer, initargs, strategy = payload.load()
+            from ..sharing import _strategy
+
+            _strategy.restore(strategy)
+            if initializer is not None:
+                initializer(*initargs)
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            _send_error(channel, "I", exc)
+            sys.exit(1)
+        _send(channel, ("R",))
+        _serve(channel, max_tasks)
+    finally:
+        channel.close()
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
+def _serve(channel: socket.socket, max_tasks: int | None) -> None:
+    reader = MessageReader(channel)
+    functions: dict[int, Any] = {}
+    done = 0
+    while max_tasks is None or done < max_tasks:
+        try:
+            data, fds = recv_message(reader)
+        except (ChannelClosed, OSError):
+            return  # the parent is gone or closed the channel
+        try:
+            task = _pickler.loads(data, fds)
+        except BaseException as exc:
+            _send_error(channel, "e", exc, "the task could not be unpickled in the worker: ")
+            done += 1
+            continue
+        if task is None:
+            return
+        job, fn, forget, kind, payload = task
+        del task
+        if forget is not None:
+            functions.pop(forget, None)
+        if fn is not None:
+            functions[job] = fn
+        else:
+            fn = functions.get(job)
+        done += 1
+        try:
+            if fn is None:
+                raise RuntimeError("the task's function did not reach this worker")
+            if kind == APPLY:
+                args, kwargs = payload
+                value = fn(*args, **kwargs)
+            elif kind == MAP:
+                value = [fn(item) for item in payload]
+            else:
+                value = [fn(*item) for item in payload]
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            del fn, payload
+            _send_error(channel, "e", exc)
+            continue
+        del fn, payload
+        try:
+            message = _pickler.dumps(("r", value))
+        except BaseException as exc:
+            del value
+            _send_error(channel, "e", _encoding_error(exc, "value"))
+            continue
+        del value
+        try:
+            send_message(channel, message.data, message.fds)
+        finally:
+            message.close()
+
+
+def _encoding_error(exc: BaseException, what: str) -> BaseException:
+    from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
+
+    err = MaybeEncodingError(exc, what)
+    err.args = (
+        f"the task's result could not be pickled to send it back to the parent: "
+        f"{type(exc).__name__}: {exc}. Return something picklable (arrays are fine), "
+        f"or turn it into plain data in the task",
+    )
+    return err
+
+
+def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: str = "") -> None:
+    import traceback  # on failure only
+
+    text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    exc.__traceback__ = None
+    try:
+        message = _pickler.dumps((tag, exc, text))
+        _pickler.loads(message.data, [os.dup(fd) for fd in message.fds])  # it must load too
+    except BaseException:
+        message = _pickler.dumps((tag, None, text))
+    try:
+        send_message(channel, message.data, message.fds)
+    except OSError:
+        pass  # the parent is gone; the exit code still tells
+    finally:
+        message.close()
+
+
+def _send(channel: socket.socket, obj: Any) -> None:
+    message = _pickler.dumps(obj)
+    try:
+        send_message(channel, message.data, message.fds)
+    finally:
+        message.close()

@@ -82,8 +82,8 @@ def _daemons() -> list[dict[str, Any]]:
 
 
 def _kept_names() -> dict[str, set[int]]:
-    """Named segments a producer-side pool keeps: name -> pids that map it with no
-    access (``---s``)."""
+    """Named segments kept for reuse as recycled segments: name -> pids that map it
+    with no access (``---s``)."""
     marker = f" {SHM_DIR}/{PREFIX}"
     kept: dict[str, set[int]] = {}
     for pid in (e for e in os.listdir("/proc") if e.isdigit()):
@@ -142,7 +142,7 @@ def _memfds_of(pid: int) -> dict[str, Any] | None:
     extent: dict[int, int] = {}  # inode -> largest offset + length mapped
     exact: dict[int, int] = {}  # inode -> st_size, where the memfd itself could be stat'ed
     mapped: set[int] = set()
-    pooled: set[int] = set()  # kept by the producer-side pool: mapped with no access
+    recycled: set[int] = set()  # recycled segments kept for reuse: mapped with no access
     map_files = True  # readable only with CAP_SYS_ADMIN on many kernels: try once
     for line in maps.splitlines():
         fields = line.split(None, 5)
@@ -155,7 +155,7 @@ def _memfds_of(pid: int) -> dict[str, Any] | None:
             continue
         mapped.add(inode)
         if fields[1] == "---s":
-            pooled.add(inode)
+            recycled.add(inode)
         extent[inode] = max(extent.get(inode, 0), offset + end - start)
         if map_files and inode not in exact:
             size = _size_of(f"/proc/{pid}/map_files/{fields[0]}")
@@ -187,8 +187,8 @@ def _memfds_of(pid: int) -> dict[str, Any] | None:
         "bytes": sum(sizes.values()),
         "mapped": len(mapped),
         "fd_only": len(held - mapped),
-        "pooled": len(pooled),
-        "pooled_bytes": sum(sizes[i] for i in pooled),
+        "recycled": len(recycled),
+        "recycled_bytes": sum(sizes[i] for i in recycled),
         "inodes": sorted(inodes),
         "sizes": sizes,
     }
@@ -216,7 +216,7 @@ def _memfds() -> dict[str, Any]:
 
 def info() -> dict[str, Any]:
     from . import get_all_sharing_strategies, get_sharing_strategy
-    from .sharing import _pool
+    from .sharing import _recycled
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shm: dict[str, Any] = {"path": SHM_DIR}
@@ -236,10 +236,10 @@ def info() -> dict[str, Any]:
         "daemons": _daemons(),
         "segments": _segments(),
         "memfd": _memfds(),
-        "pool": {
-            "limit": _pool.LIMIT,
+        "recycled": {
+            "limit": _recycled.LIMIT,
             "set": "PROCSPAWN_POOL_BYTES" in os.environ,
-            "idle": _pool.IDLE,
+            "idle": _recycled.IDLE,
         },
     }
 
@@ -309,7 +309,7 @@ def _print_info(data: dict[str, Any]) -> None:
         owner = f"owner {s['owner_pid']} ({'alive' if s['owner_alive'] else 'dead'})"
         mapped = f"mapped or open in {s['used_by']}" if s["used_by"] else "used by no process"
         if s["kept_by"]:
-            mapped += f", kept in the pool of {s['kept_by']}"
+            mapped += f", kept for recycling by {s['kept_by']}"
         print(f"  {s['name']}  {_size(s['bytes'])}  {owner}, {mapped}")
     memfd = data["memfd"]
     print(
@@ -318,19 +318,21 @@ def _print_info(data: dict[str, Any]) -> None:
     )
     for p in memfd["processes"]:
         unmapped = f", {p['fd_only']} open without a mapping" if p["fd_only"] else ""
-        pooled = (
-            f", {p['pooled']} kept in its pool ({_mib(p['pooled_bytes'])})" if p["pooled"] else ""
+        recycled = (
+            f", {p['recycled']} kept for recycling ({_mib(p['recycled_bytes'])})"
+            if p["recycled"]
+            else ""
         )
         print(
             f"  pid {p['pid']} ({p['command']}): {p['segments']} segment(s), "
-            f"{_mib(p['bytes'])}{unmapped}{pooled}"
+            f"{_mib(p['bytes'])}{unmapped}{recycled}"
         )
-    pool = data["pool"]
+    cache = data["recycled"]
     print(
-        f"producer-side pool: up to {_mib(pool['limit'])} per process "
-        f"(PROCSPAWN_POOL_BYTES{'' if pool['set'] else ', default'}; file_system segments "
-        f"at most a quarter of {shm['path']}), each segment for {pool['idle']:g} s unused "
-        f"(PROCSPAWN_POOL_IDLE); procspawn.sharing.trim() gives it back"
+        f"recycled segments: up to {_mib(cache['limit'])} per process "
+        f"(PROCSPAWN_POOL_BYTES{'' if cache['set'] else ', default'}; file_system segments "
+        f"at most a quarter of {shm['path']}), each segment for {cache['idle']:g} s unused "
+        f"(PROCSPAWN_POOL_IDLE); procspawn.sharing.trim() gives them back"
     )
 
 

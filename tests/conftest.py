@@ -7,10 +7,10 @@ reparented here and counted too), no new ``/dev/shm/procspawn_*`` file, no new s
 mapping in ``/proc/self/maps`` and no new open descriptor in ``/proc/self/fd``. OS state
 takes a moment to settle after a kill, so each check waits a few seconds before it fails.
 
-The one exception is memory kept on purpose: the producer-side pool's segments, which a
-user sees as mappings with no access (``---s``) of memfds or ``/dev/shm`` names, and the
-memfds' descriptors. They are not counted as leaks, but their total must stay within the
-pool's bound.
+The one exception is memory kept on purpose: the recycled segments (the producer-side
+segment cache), which a user sees as mappings with no access (``---s``) of memfds or
+``/dev/shm`` names, and the memfds' descriptors. They are not counted as leaks, but their
+total must stay within the cache's bound.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import pytest
 
 import procspawn
-from procspawn.sharing import _pool
+from procspawn.sharing import _recycled
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PATIENCE = 10.0
@@ -37,8 +37,9 @@ os.environ.setdefault("PROCSPAWN_MANAGER_GRACE", "0.5")
 # Likewise the slab being filled is held this long after the last small array was made
 # (default 1 s), which every leak check would wait out.
 os.environ.setdefault("PROCSPAWN_SLAB_LINGER", "0.2")
-# The pool gives back what nobody reused for 5 s by default: tests that look at what it
-# keeps must not race that on a loaded machine (test_pool checks the default in a script).
+# Recycled segments nobody reused for 5 s are given back by default: tests that look at
+# what is kept must not race that on a loaded machine (test_recycled checks the default in
+# a script).
 os.environ.setdefault("PROCSPAWN_POOL_IDLE", "60")
 
 
@@ -79,8 +80,8 @@ def _segments() -> set[str]:
         return set()
 
 
-def _pool_kept() -> dict[tuple[int, int] | str, int]:
-    """What this process keeps in its pool, seen as mappings with no access (``---s``):
+def _recycled_kept() -> dict[tuple[int, int] | str, int]:
+    """The recycled segments this process keeps, seen as mappings with no access (``---s``):
     (device, inode) of each memfd, or the /dev/shm name -> bytes."""
     kept: dict[tuple[int, int] | str, int] = {}
     with open("/proc/self/maps") as f:
@@ -102,7 +103,7 @@ def _pool_kept() -> dict[tuple[int, int] | str, int]:
 
 
 def _fds() -> set[int]:
-    kept = _pool_kept()
+    kept = _recycled_kept()
     fds = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -117,7 +118,7 @@ def _fds() -> set[int]:
 
 def _shared_mappings() -> set[str]:
     """This process' mappings of shared-memory files (/dev/shm names and memfds), but for
-    the pool's (``---s``)."""
+    the recycled segments' (``---s``)."""
     with open("/proc/self/maps") as f:
         return {
             line.split()[0] + " " + line.split(None, 5)[-1].strip()
@@ -166,7 +167,7 @@ def leak_check():
     while True:
         gc.collect()
         new_children = _children() - children
-        new_segments = _segments() - segments - set(_pool_kept())
+        new_segments = _segments() - segments - set(_recycled_kept())
         new_fds = _fds() - fds
         new_maps = _shared_mappings() - maps
         if not (new_children or new_segments or new_fds or new_maps):
@@ -185,9 +186,9 @@ def leak_check():
         except FileNotFoundError:
             pass
     problems = []
-    kept = _pool_kept()
-    if sum(kept.values()) > _pool.LIMIT or len(kept) > _pool.MAX_SEGMENTS:
-        problems.append(f"the pool keeps more than its bound: {kept}")
+    kept = _recycled_kept()
+    if sum(kept.values()) > _recycled.LIMIT or len(kept) > _recycled.MAX_SEGMENTS:
+        problems.append(f"the recycled segments kept exceed their bound: {kept}")
     if new_maps:
         problems.append(f"shared mappings left: {sorted(new_maps)}")
     if new_children:

@@ -164,14 +164,14 @@ array[:] = 1
 raw = os.memfd_create("procspawn", os.MFD_CLOEXEC)  # open, never mapped
 os.ftruncate(raw, 4096)
 r, w = procspawn.Pipe()
-w.send(array.copy())  # an unshared copy: its segment (1 MiB) is kept in the pool, ---s
+w.send(array.copy())  # an unshared copy: its segment (1 MiB) is kept for recycling, ---s
 del r, w
 print("ready", flush=True)
 sys.stdin.read()  # until the test closes our stdin
 """
 
 
-def test_info_shows_named_segments_kept_in_a_pool():
+def test_info_shows_named_segments_kept_for_recycling():
     code = MEMFD_HOLDER.replace(
         'assert procspawn.get_sharing_strategy() == "file_descriptor"',
         'procspawn.set_sharing_strategy("file_system")',
@@ -188,12 +188,12 @@ def test_info_shows_named_segments_kept_in_a_pool():
         result = _cli("info", "--json")
         assert result.returncode == 0, result.stderr
         mine = [s for s in json.loads(result.stdout)["segments"] if s["owner_pid"] == holder.pid]
-        assert len(mine) == 2  # the array it holds, and the send's copy its pool keeps
+        assert len(mine) == 2  # the array it holds, and the send's copy it keeps for recycling
         [kept] = [s for s in mine if s["kept_by"]]
         assert kept["kept_by"] == [holder.pid] and kept["bytes"] == (8 << 20) + 4096
         text = _cli("info")
         assert text.returncode == 0, text.stderr
-        assert f"kept in the pool of [{holder.pid}]" in text.stdout
+        assert f"kept for recycling by [{holder.pid}]" in text.stdout
     finally:
         _stop(holder)
 
@@ -216,7 +216,7 @@ def test_info_lists_memfd_segments_per_process():
         [mine] = [p for p in memfd["processes"] if p["pid"] == holder.pid]
         assert mine["segments"] == 3 and len(mine["inodes"]) == 3
         assert mine["mapped"] == 2 and mine["fd_only"] == 1
-        assert mine["pooled"] == 1 and mine["pooled_bytes"] == 8 << 20
+        assert mine["recycled"] == 1 and mine["recycled_bytes"] == 8 << 20
         assert mine["bytes"] >= (16 << 20) + 4096  # a segment may be rounded up
         assert mine["command"].startswith("python")
         assert memfd["segments"] >= 2 and memfd["bytes"] >= mine["bytes"]
@@ -230,9 +230,9 @@ def test_info_lists_memfd_segments_per_process():
         mib = f"{mine['bytes'] / 2**20:.1f} MiB"
         assert (
             f"  pid {holder.pid} ({mine['command']}): 3 segment(s), {mib}, 1 open without "
-            f"a mapping, 1 kept in its pool (8.0 MiB)"
+            f"a mapping, 1 kept for recycling (8.0 MiB)"
         ) in lines
-        [pool] = [s for s in lines if s.startswith("producer-side pool: up to ")]
-        assert "PROCSPAWN_POOL_BYTES" in pool and "trim()" in pool
+        [recycled] = [s for s in lines if s.startswith("recycled segments: up to ")]
+        assert "PROCSPAWN_POOL_BYTES" in recycled and "trim()" in recycled
     finally:
         _stop(holder)

@@ -10,9 +10,9 @@ while every other process of the program goes on. No cache keeps a segment past 
 array: a receiver maps each segment once (two handles to one segment give arrays that
 share memory) and holds that mapping weakly. Small arrays are carved out of slabs (one
 segment, many arrays): a slab is held while any array in it is, anywhere. The one
-memory kept on purpose is the producer-side pool (``_pool``): segments that carried a
-copy at a send, kept once nobody anywhere holds them, bounded, visible and given back by
-``trim()``.
+memory kept on purpose is the cache of recycled segments (``_recycled``): segments that
+carried a copy at a send, kept once nobody anywhere holds them, bounded, visible and given
+back by ``trim()``.
 
 How each strategy keeps the rule: ``file_descriptor`` segments are anonymous memfds, freed
 by the kernel when their last descriptor and mapping are gone. ``file_system`` segments
@@ -34,7 +34,7 @@ level   modules
         per process, weakly), ``_manager`` (the daemon's client),
         ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS)
 2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``,
-        ``_pool`` (the producer-side pool of file_descriptor segments)
+        ``_recycled`` (recycled segments: the producer-side cache of send copies)
 3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout),
         ``_slabs`` (small arrays carved out of shared slabs)
 4       ``_reductions`` (ndarray reducers: procspawn and stdlib channels), ``_arrays``

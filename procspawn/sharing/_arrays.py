@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _pool, _slabs
+from . import _recycled, _slabs
 from ._ndarray import copy_to_segment, empty_like_in_segment
 from ._segment import segment_of
 
@@ -28,14 +28,14 @@ def zeros(shape: Any, dtype: Any = float) -> np.ndarray:
 
 def trim() -> int:
     """Give back the shared memory procspawn keeps on purpose in this process: the
-    producer-side pool's segments (``PROCSPAWN_POOL_BYTES``) and the slabs being filled
-    (otherwise held until a second after their last small array was made).
+    recycled segments, which carried copies at sends (``PROCSPAWN_POOL_BYTES``), and the
+    slabs being filled (otherwise held until a second after their last small array was made).
 
     Returns:
-        How many bytes the pool kept (its segments' sizes).
+        How many bytes of recycled segments were kept (their sizes).
     """
     _slabs.trim()
-    return _pool.trim()
+    return _recycled.trim()
 
 
 def is_shared(array: Any) -> bool:

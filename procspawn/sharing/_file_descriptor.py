@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from . import _message, _pool
+from . import _message, _recycled
 from ._limits import FdLimitError, raise_fd_limit
 from ._segment import Segment
 from ._strategy import SharingStrategy
@@ -63,15 +63,15 @@ class FileDescriptorStrategy(SharingStrategy):
     def allocate_for_copy(self, nbytes: int) -> Segment:
         raise_fd_limit()
         with _fd_limit("a new shared-memory segment could not be created"):
-            pooled = _pool.take(nbytes, _pool.MEMFDS)
-        return pooled if pooled is not None else self.allocate(nbytes)
+            recycled = _recycled.take(nbytes, _recycled.MEMFDS)
+        return recycled if recycled is not None else self.allocate(nbytes)
 
     def reduce(self, segment: Segment) -> Any:
         # the key travels too: the receiver needs no fstat to know the segment
         state = _message.sending()
-        if _pool.is_pooled(segment):  # a file of its own for this message (see _pool)
+        if _recycled.is_recycled(segment):  # a file of its own for this message (see _recycled)
             with _fd_limit("a shared-memory segment could not be sent"):
-                index = state.give_fd(_pool.file_to_send(segment))
+                index = state.give_fd(_recycled.file_to_send(segment))
         else:
             index = state.add_fd(segment.fd, segment)
         return (index, segment.size, segment.key)

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import _log
-from . import _manager, _message, _pool
+from . import _manager, _message, _recycled
 from ._limits import FdLimitError, reserve
 from ._manager_main import (
     HEADER,
@@ -134,9 +134,9 @@ def _create(nbytes: int, mapper: Callable[[int, str], _T]) -> _T:
         os.close(fd)
 
 
-class _KeptNames(_pool.Kind):
-    """The producer-side pool's side of named segments: the maker stays their holder
-    while it keeps them (see ``_pool``)."""
+class _KeptNames(_recycled.Kind):
+    """Recycled named segments: the maker stays their holder while it keeps them for
+    reuse (see ``_recycled``)."""
 
     name = "file_system"
     _limit: int | None = None
@@ -148,27 +148,27 @@ class _KeptNames(_pool.Kind):
                 quarter = st.f_blocks * st.f_frsize // 4
             except OSError:
                 quarter = 0
-            self._limit = min(_pool.LIMIT, quarter)
+            self._limit = min(_recycled.LIMIT, quarter)
         return self._limit
 
-    def make(self, capacity: int) -> _pool.Kept:
-        def mapper(fd: int, name: str) -> _pool.Kept:
+    def make(self, capacity: int) -> _recycled.Kept:
+        def mapper(fd: int, name: str) -> _recycled.Kept:
             address = map_fd(fd, HEADER + capacity)
-            return _pool.Kept(self, address, HEADER + capacity, HEADER, name, name=name)
+            return _recycled.Kept(self, address, HEADER + capacity, HEADER, name, name=name)
 
         return _create(capacity, mapper)
 
-    def nobody_else(self, kept: _pool.Kept) -> bool:
+    def nobody_else(self, kept: _recycled.Kept) -> bool:
         return only_holder(kept.name)  # type: ignore[arg-type]
 
-    def give_back(self, kept: _pool.Kept) -> None:
-        _pool.unmap(kept.address, kept.length)
+    def give_back(self, kept: _recycled.Kept) -> None:
+        _recycled.unmap(kept.address, kept.length)
         _release(kept.name)  # type: ignore[arg-type]
 
-    def at_exit(self, kept: _pool.Kept) -> None:
+    def at_exit(self, kept: _recycled.Kept) -> None:
         _let_go(kept.name)  # type: ignore[arg-type]
 
-    def on_release(self, kept: _pool.Kept) -> Callable[[], Any]:
+    def on_release(self, kept: _recycled.Kept) -> Callable[[], Any]:
         name: str = kept.name  # type: ignore[assignment]
         return lambda: _release(name)
 
@@ -183,8 +183,8 @@ class FileSystemStrategy(SharingStrategy):
         return _create(nbytes, lambda fd, name: _map_named(fd, name, nbytes))
 
     def allocate_for_copy(self, nbytes: int) -> Segment:
-        pooled = _pool.take(nbytes, KEPT_NAMES)
-        return pooled if pooled is not None else self.allocate(nbytes)
+        recycled = _recycled.take(nbytes, KEPT_NAMES)
+        return recycled if recycled is not None else self.allocate(nbytes)
 
     def reduce(self, segment: Segment) -> Any:
         state = _message.sending()

@@ -366,7 +366,7 @@ def let_go(name: str, pid: int | None = None, every: bool = False) -> bool:
 
 def only_holder(name: str) -> bool:
     """Whether this process holds ``name`` exactly once and nothing else does: no other
-    process, no message (the producer-side pool's test that a name it keeps is free)."""
+    process, no message (the recycled-segment cache's test that a name it keeps is free)."""
     try:
         fd = open_segment(name)
     except OSError:

@@ -73,7 +73,7 @@ def empty_like_in_segment(
 ) -> np.ndarray:
     """A new array in shared memory of the current strategy: a block of a slab when it is
     small, else a segment of its own. Its bytes are zero, unless ``for_copy`` (a send
-    fills it at once: it may be a reused segment of the producer-side pool)."""
+    fills it at once: it may be a recycled segment, reused)."""
     dtype = np.dtype(dtype)
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -88,7 +88,7 @@ def copy_to_segment(array: np.ndarray, for_send: bool = False) -> np.ndarray:
     """A copy of ``array`` in shared memory, Fortran order kept, read-only kept.
 
     ``for_send``: the copy only carries ``array`` in a message (nobody here holds it
-    after the send), so its segment may come from and go back to the producer-side pool.
+    after the send), so its segment may come from and go back to the recycled segments.
     """
     order: Literal["C", "F"] = (
         "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
@@ -103,7 +103,7 @@ def copy_to_segment(array: np.ndarray, for_send: bool = False) -> np.ndarray:
 # A copy into a fresh segment is bound by page faults (the kernel allocates and zeroes each
 # page as the copy first touches it), which two threads take in parallel: 64 MiB took 74 ms
 # with one thread and 48 ms with two here. A copy into pages already in place (a reused
-# pool segment) is bound by memory bandwidth and gains nothing, but loses nothing either.
+# recycled segment) is bound by memory bandwidth and gains nothing, but loses nothing either.
 # np.copyto releases the GIL for plain dtypes.
 SPLIT_BYTES = 8 << 20
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -111,7 +111,7 @@ def _collected(
         pid, address, length, fd, on_release, recycle = args
         if getpid() == pid:  # not a forked child that merely inherited it
             if recycle is not None:
-                recycle(address, length, fd)  # the pool keeps it, or lets it go itself
+                recycle(address, length, fd)  # kept for reuse, or let go by the cache itself
                 return
             munmap(address, length)
             if fd >= 0:

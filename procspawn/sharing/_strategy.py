@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 from .. import _log
-from . import _mapcache, _pool, _registry
+from . import _mapcache, _recycled, _registry
 from ._limits import FdLimitError, SharedMemoryFullError
 from ._segment import Segment
 
@@ -191,7 +191,7 @@ def allocate(nbytes: int, for_copy: bool = False) -> Segment:
     """A new Segment of ``nbytes`` from the current strategy, known to this process' cache.
 
     ``for_copy``: a send is about to fill all of it (the strategy may reuse a segment).
-    Short of shared memory or of descriptors, the producer-side pool is given back and it
+    Short of shared memory or of descriptors, the recycled segments are given back and it
     is tried again; then, under the default strategy, a process short of descriptors
     makes its segments under ``file_system`` (see ``_fall_back``).
     """
@@ -218,7 +218,7 @@ def allocate(nbytes: int, for_copy: bool = False) -> Segment:
 
 def _make(strategy: SharingStrategy, nbytes: int, for_copy: bool) -> Segment:
     """``strategy``'s new segment; out of memory or descriptors, once more after the
-    producer-side pool gave back what it keeps (memory, and a descriptor per memfd)."""
+    recycled-segment cache gave back what it keeps (memory, and a descriptor per memfd)."""
     make = strategy.allocate_for_copy if for_copy else strategy.allocate
     try:
         return make(nbytes)
@@ -228,7 +228,7 @@ def _make(strategy: SharingStrategy, nbytes: int, for_copy: bool) -> Segment:
             errno.EMFILE,
             errno.ENFILE,
         )
-        if not short or not _pool.trim():
+        if not short or not _recycled.trim():
             raise
     return make(nbytes)
 

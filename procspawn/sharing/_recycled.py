@@ -1,4 +1,4 @@
-"""Level 2: the producer-side pool: segments that carried a copy, kept for the next.
+"""Level 2: recycled segments: segments that carried a copy, kept for the next send.
 
 Sending an array that is not in shared memory copies it into a new segment (see
 ``_reductions``). For a large array, making that segment costs more than the copy: the
@@ -11,16 +11,16 @@ Who else holds it? That is a strategy's question (``Kind.nobody_else``):
 
 * ``file_descriptor``: the kernel knows. For a memfd it counts the files open for writing
   (``i_writecount``): the file ``memfd_create`` returns is not counted, a reopen through
-  ``/proc/self/fd`` is. A pooled memfd is kept through one reopened file of its maker's;
+  ``/proc/self/fd`` is. A recycled memfd is kept through one reopened file of its maker's;
   every message that carries it carries a reopen of its own, which the message holds
   while in flight and each receiver while it maps it (a mapping holds its file; receivers
   pass on what they received). A write lease (``F_SETLEASE``) is granted only when the
   counted files are exactly the caller's own: that is the test that no message and no
   process still holds the segment. It cannot be fooled by a receiver killed with SIGKILL,
   or by a message that is never read: the kernel drops their files. A self-test at first
-  use checks these semantics on the running kernel, and the pool stays off if any differs.
+  use checks these semantics on the running kernel, and recycling stays off if any differs.
 * ``file_system``: the segment's table of holders knows (see ``_manager_main``). The
-  maker stays a holder of the name while the pool keeps it (so the daemon frees it if the
+  maker stays a holder of the name while it keeps it for reuse (so the daemon frees it if the
   maker dies), and it is free when, under the table's lock, the maker is its only holder:
   every receiver adds itself before it maps and takes itself out after it unmaps (the
   daemon does that for one that was killed), and every message holds a slot of its own.
@@ -34,7 +34,7 @@ Memory kept on purpose is explicit, bounded, visible and trimmable:
   over (``sharing.zeros``, ``share_memory_``), and none smaller than 256 KiB (those go in
   slabs);
 * at most ``PROCSPAWN_POOL_BYTES`` bytes (default: a sixteenth of the memory this process
-  may use, at most 1 GiB; 0 turns the pool off) in at most 64 segments, counting those
+  may use, at most 1 GiB; 0 turns recycling off) in at most 64 segments, counting those
   still held elsewhere; of these, ``file_system`` segments (which live in /dev/shm, 64 MiB
   in a default container) at most a quarter of /dev/shm;
 * a segment nobody reused for ``PROCSPAWN_POOL_IDLE`` seconds (default 5) is given back:
@@ -96,18 +96,18 @@ LIMIT = int(
     _from_env(
         "PROCSPAWN_POOL_BYTES",
         _default_limit(),
-        "a number of bytes (0 turns the producer-side pool off)",
+        "a number of bytes (0 turns segment recycling off)",
     )
 )
 IDLE = _from_env(
     "PROCSPAWN_POOL_IDLE",
     5.0,
-    "a number of seconds (how long the pool keeps a segment nobody reuses)",
+    "a number of seconds (how long a recycled segment nobody reuses is kept)",
 )
 
 
 class Kind:
-    """What the pool needs of a strategy's segments (one instance per strategy)."""
+    """What recycling needs of a strategy's segments (one instance per strategy)."""
 
     name = ""
 
@@ -120,11 +120,11 @@ class Kind:
         raise NotImplementedError
 
     def nobody_else(self, kept: Kept) -> bool:
-        """True when no process and no message but this process' pool holds it."""
+        """True when no process and no message but this process' recycled-segment cache holds it."""
         raise NotImplementedError
 
     def give_back(self, kept: Kept) -> None:
-        """Unmap it and let go of it for good (the pool no longer keeps it)."""
+        """Unmap it and let go of it for good (the cache no longer keeps it)."""
         raise NotImplementedError
 
     def at_exit(self, kept: Kept) -> None:
@@ -142,7 +142,7 @@ class Kind:
 
 
 class Kept:
-    """One pool segment: its mapping, and what its strategy needs to know it by."""
+    """One recycled segment: its mapping, and what its strategy needs to know it by."""
 
     __slots__ = ("kind", "address", "length", "header", "fd", "key", "name", "since")
 
@@ -166,9 +166,9 @@ class Kept:
 
 
 _lock = threading.Lock()
-_kept: dict[int, Kept] = {}  # map address -> a segment the pool keeps, oldest first
+_kept: dict[int, Kept] = {}  # map address -> a segment kept for reuse, oldest first
 _kept_bytes: collections.Counter[str] = collections.Counter()  # kind name -> bytes kept
-_out: dict[int, Kept] = {}  # map address -> a pool segment in use in this process
+_out: dict[int, Kept] = {}  # map address -> a recycled segment in use in this process
 _returned: collections.deque[int] = collections.deque()  # from GC callbacks: addresses
 _poisoned: set[int] = set()  # map addresses of segments alive at a fork: never reused
 _keeper: threading.Thread | None = None
@@ -183,8 +183,8 @@ def capacity_for(nbytes: int) -> int:
 
 def take(nbytes: int, kind: Kind) -> Segment | None:
     """A segment of at least ``nbytes`` for a copy to be sent (its old bytes are left as
-    they are): a kept one when one fits and nobody holds it, else a new one the pool will
-    keep. None when the pool is off for ``kind``, ``nbytes`` is small, or it is too big."""
+    they are): a kept one when one fits and nobody holds it, else a new one that will be
+    kept. None when recycling is off for ``kind``, ``nbytes`` is small, or it is too big."""
     if nbytes < MIN_BYTES:
         return None
     capacity = capacity_for(nbytes)
@@ -210,7 +210,7 @@ def _watch() -> None:
     never from a GC callback, which may fire inside the threading module's own locks)."""
     global _keeper
     if _keeper is None and IDLE > 0:
-        _keeper = threading.Thread(target=_give_back_idle, name="procspawn-pool", daemon=True)
+        _keeper = threading.Thread(target=_give_back_idle, name="procspawn-recycled", daemon=True)
         _keeper.start()
 
 
@@ -232,8 +232,8 @@ def _segment(kept: Kept) -> Segment:
     return segment
 
 
-def is_pooled(segment: Segment) -> bool:
-    """Whether ``segment`` is one of this process' pool segments (mapped at its start)."""
+def is_recycled(segment: Segment) -> bool:
+    """Whether ``segment`` is one of this process' recycled segments (mapped at its start)."""
     kept = _out.get(segment.address)
     return kept is not None and kept.kind is MEMFDS
 
@@ -291,7 +291,7 @@ _CHECKS = 8  # holder checks per take at most: a consumer may keep many for a lo
 
 def _reuse(capacity: int, kind: Kind) -> Kept | None:
     """The oldest kept segment of ``kind`` and ``capacity`` that nobody else holds, taken
-    out of the pool (with _lock held). One found still held goes to the back of the line,
+    out of the cache (with _lock held). One found still held goes to the back of the line,
     so segments a consumer keeps for long do not stand in front of free ones."""
     busy = []
     try:
@@ -334,7 +334,7 @@ def _give_back_idle() -> None:
 
 
 def trim() -> int:
-    """Give back every segment the pool keeps; returns how many bytes it kept."""
+    """Give back every recycled segment kept; returns how many bytes they were."""
     with _lock:
         _take_returned()
         kept = sum(_kept_bytes.values())
@@ -344,7 +344,7 @@ def trim() -> int:
 
 
 def kept_bytes() -> int:
-    """How many bytes the pool keeps now (``procspawn info``, tests)."""
+    """How many bytes of recycled segments are kept now (``procspawn info``, tests)."""
     with _lock:
         _take_returned()
         return sum(_kept_bytes.values())
@@ -368,9 +368,9 @@ def _nobody_else(fd: int) -> bool:
 
 
 def _self_test() -> bool:
-    """Do leases count holders here as the pool needs? (kernel, /proc, sysctl)"""
+    """Do leases count holders here as recycling needs? (kernel, /proc, sysctl)"""
     try:
-        first = os.memfd_create("procspawn-pool-test", os.MFD_CLOEXEC)
+        first = os.memfd_create("procspawn-recycled-test", os.MFD_CLOEXEC)
         try:
             os.ftruncate(first, mmap.PAGESIZE)
             fd = _reopen(first)
@@ -440,12 +440,12 @@ MEMFDS = _Memfds()
 
 
 def usable() -> bool:
-    """Whether this process pools memfds (a limit above 0 and a kernel that passes)."""
+    """Whether this process recycles memfds (a limit above 0 and a kernel that passes)."""
     return MEMFDS.limit() > 0
 
 
 def file_to_send(segment: Segment) -> int:
-    """A new file of a pool memfd for one message, which the message owns."""
+    """A new file of a recycled memfd for one message, which the message owns."""
     return _reopen(segment.fd)
 
 
@@ -484,7 +484,7 @@ util.register_after_fork(_after_fork_anchor, lambda _: _register_exit())
 
 def _poison_live() -> None:
     # No lock (a thread holding it may wait for one a forking thread holds): a segment
-    # taken out of the pool at this very moment is in neither table, which costs the child
+    # taken out of the cache at this very moment is in neither table, which costs the child
     # one stray mapping it has no array over, and the parent nothing.
     _poisoned.update(_out)
 

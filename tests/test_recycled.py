@@ -1,6 +1,7 @@
-"""The producer-side pool: a segment that carried a copy is reused only once nobody,
-anywhere, holds it: not a consumer keeping the array, not a message still unread, not a
-consumer it was passed on to, not one of several ranks that got it at start."""
+"""Recycled segments (the producer-side segment cache): a segment that carried a copy is
+reused only once nobody, anywhere, holds it: not a consumer keeping the array, not a
+message still unread, not a consumer it was passed on to, not one of several ranks that
+got it at start."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from _helpers import run_script, script_env
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _pool
+from procspawn.sharing import _recycled
 from procspawn.sharing._file_system import KEPT_NAMES
 from procspawn.sharing._manager_main import holders
 from procspawn.sharing._segment import segment_of
@@ -26,25 +27,25 @@ MIB = 1 << 20
 ctx = mp.get_context("spawn")
 
 
-def _pool_maps() -> int:
-    """Bytes of pool segments this process keeps, seen in /proc/self/maps (``---s``
+def _recycled_maps() -> int:
+    """Bytes of recycled segments this process keeps, seen in /proc/self/maps (``---s``
     mappings of memfds and of /dev/shm names)."""
     total = 0
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(None, 5)
-            if len(fields) == 6 and fields[1] == "---s" and _POOLED in fields[5]:
+            if len(fields) == 6 and fields[1] == "---s" and _RECYCLED in fields[5]:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 total += end - start
     return total
 
 
-_POOLED = "procspawn"  # in "/memfd:procspawn (deleted)" and "/dev/shm/procspawn_..."
+_RECYCLED = "procspawn"  # in "/memfd:procspawn (deleted)" and "/dev/shm/procspawn_..."
 
 
 @pytest.fixture(params=["file_descriptor", "file_system"])
-def pooled(request):
-    """Each strategy whose send copies the pool keeps, made the current one."""
+def recycling(request):
+    """Each strategy whose send copies are recycled, made the current one."""
     previous = mp.get_sharing_strategy()
     mp.set_sharing_strategy(request.param)
     yield request.param
@@ -105,11 +106,11 @@ def _stream_to_a_consumer(n, start=0):
     return keys
 
 
-def test_the_pool_works_here():
-    assert _pool.usable(), "the kernel here does not count holders as the pool needs"
+def test_recycling_works_here():
+    assert _recycled.usable(), "the kernel here does not count holders as recycling needs"
 
 
-def test_steady_stream_reuses_a_segment(pooled):
+def test_steady_stream_reuses_a_segment(recycling):
     q, out = ctx.Queue(maxsize=1), ctx.Queue()
     p = ctx.Process(target=_consume, args=(q, out, 0))
     p.start()
@@ -120,10 +121,10 @@ def test_steady_stream_reuses_a_segment(pooled):
     p.join(30)
     assert p.exitcode == 0
     assert len(set(keys)) <= 3  # reused (one in the queue, one being read, one spare)
-    assert 0 < _pool_maps() <= 3 * MIB
+    assert 0 < _recycled_maps() <= 3 * MIB
 
 
-def test_segments_held_by_consumers_are_never_reused(pooled):
+def test_segments_held_by_consumers_are_never_reused(recycling):
     q, out, forward, out2 = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     holder = ctx.Process(target=_consume, args=(q, out, 3))  # keeps every third
     passer_q = ctx.Queue()
@@ -151,7 +152,7 @@ def test_segments_held_by_consumers_are_never_reused(pooled):
     assert len(kept) == 10  # each kept array had a segment of its own
 
 
-def test_an_unread_message_keeps_its_segment(pooled):
+def test_an_unread_message_keeps_its_segment(recycling):
     unread = ctx.Queue()
     _send_all(unread, 1, start=77)  # nobody reads it until the end
     _stream_to_a_consumer(10)
@@ -165,7 +166,7 @@ def _hold_then_wait(q, out):
     q.get()  # held until killed
 
 
-def test_a_killed_consumer_gives_its_segment_back(pooled):
+def test_a_killed_consumer_gives_its_segment_back(recycling):
     sharing.trim()  # so that the oldest kept segment is the one the victim holds
     q, out = ctx.Queue(), ctx.Queue()
     victim = ctx.Process(target=_hold_then_wait, args=(q, out))
@@ -179,7 +180,7 @@ def test_a_killed_consumer_gives_its_segment_back(pooled):
     assert out2.get(timeout=30) != held_key  # still held by the victim: a new segment
     os.kill(pid, signal.SIGKILL)
     victim.join(30)
-    if pooled == "file_system":  # the daemon takes a dead holder out: wait until it has
+    if recycling == "file_system":  # the daemon takes a dead holder out: wait until it has
         deadline = time.monotonic() + 30
         while pid in holders(held_key) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -201,7 +202,7 @@ def _rank_holds_argument(rank, array, q, out, go):
     return _key(array)
 
 
-def test_a_start_message_read_by_several_ranks_keeps_its_segment(pooled):
+def test_a_start_message_read_by_several_ranks_keeps_its_segment(recycling):
     q, out, go = ctx.Queue(), ctx.Queue(), ctx.Queue()
     argument = np.full(MIB, 7, np.uint8)
     context = mp.spawn(_rank_holds_argument, args=(argument, q, out, go), nprocs=3, join=False)
@@ -217,32 +218,32 @@ def test_a_start_message_read_by_several_ranks_keeps_its_segment(pooled):
     assert len(arg_keys) == 1 and not arg_keys & set(keys)
 
 
-def test_trim_gives_everything_back(pooled):
+def test_trim_gives_everything_back(recycling):
     _stream_to_a_consumer(3)
-    assert _pool_maps() > 0
+    assert _recycled_maps() > 0
     assert sharing.trim() >= MIB
-    assert _pool_maps() == 0
+    assert _recycled_maps() == 0
     assert sharing.trim() == 0
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
-def test_a_segment_alive_at_a_fork_is_never_reused(pooled):
-    before = _pool_maps()
-    kind = _pool.MEMFDS if pooled == "file_descriptor" else KEPT_NAMES
-    segment = _pool.take(MIB, kind)
+def test_a_segment_alive_at_a_fork_is_never_reused(recycling):
+    before = _recycled_maps()
+    kind = _recycled.MEMFDS if recycling == "file_descriptor" else KEPT_NAMES
+    segment = _recycled.take(MIB, kind)
     assert segment is not None
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
     del segment  # the child had a copy of its mapping: it must not come back for reuse
-    assert _pool_maps() == before
+    assert _recycled_maps() == before
 
 
-# the bytes a script's own pool keeps, as /proc/self/maps shows them (no access: ---s)
-_POOL_BYTES = textwrap.dedent(
+# the bytes of recycled segments a script keeps, as /proc/self/maps shows them (no access: ---s)
+_RECYCLED_BYTES = textwrap.dedent(
     """
-    def pool_bytes():
+    def recycled_bytes():
         total = 0
         for line in open("/proc/self/maps"):
             f = line.split(None, 5)
@@ -255,8 +256,8 @@ _POOL_BYTES = textwrap.dedent(
 
 
 @pytest.mark.parametrize("strategy_name", ["file_descriptor", "file_system"])
-def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
-    code = _POOL_BYTES + textwrap.dedent(
+def test_recycling_is_bounded_and_can_be_turned_off(strategy_name):
+    code = _RECYCLED_BYTES + textwrap.dedent(
         """
         import numpy as np
         import procspawn as mp
@@ -276,7 +277,7 @@ def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
                 pass
             done.put(None)
             p.join()
-            print(pool_bytes())
+            print(recycled_bytes())
         """
     )
     env = {"PROCSPAWN_SHARING_STRATEGY": strategy_name}
@@ -290,7 +291,7 @@ def test_the_pool_is_bounded_and_can_be_turned_off(strategy_name):
     assert bad.returncode != 0 and "PROCSPAWN_POOL_BYTES='lots'" in bad.stderr
 
 
-_STREAM = _POOL_BYTES + textwrap.dedent(
+_STREAM = _RECYCLED_BYTES + textwrap.dedent(
     """
     import os, sys, time
     import numpy as np
@@ -310,14 +311,14 @@ _STREAM = _POOL_BYTES + textwrap.dedent(
         q.put(None)
         p.join()
         deadline = time.monotonic() + 10
-        while pool_bytes() == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the consumer's last drop reaches the pool
-        print(pool_bytes(), flush=True)
+        while recycled_bytes() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the consumer's last drop reaches the cache
+        print(recycled_bytes(), flush=True)
         prefix = f"procspawn_{os.getpid()}_"
         mine = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
         if sys.argv[1] == "idle":
             time.sleep(1.5)
-            print(pool_bytes(), mine())
+            print(recycled_bytes(), mine())
         else:
             print(mine(), flush=True)
             if sys.argv[1] == "wait":
@@ -337,7 +338,7 @@ def test_a_segment_nobody_reuses_is_given_back_after_the_idle_time(strategy_name
 
 
 @pytest.mark.parametrize("how", ["exit", "sigkill"])
-def test_names_the_pool_keeps_go_when_their_process_does(how):
+def test_recycled_names_go_when_their_process_does(how):
     env = {"PROCSPAWN_SHARING_STRATEGY": "file_system", "PROCSPAWN_POOL_IDLE": "60"}
     proc = subprocess.Popen(
         [sys.executable, "-c", _STREAM, "wait" if how == "sigkill" else "names"],
@@ -349,7 +350,7 @@ def test_names_the_pool_keeps_go_when_their_process_does(how):
     try:
         kept = int(proc.stdout.readline())
         names = eval(proc.stdout.readline())  # a list of strings, printed by the script
-        assert kept > 0 and names, "the script's pool kept no named segment"
+        assert kept > 0 and names, "the script kept no recycled named segment"
         if how == "sigkill":
             proc.kill()
         else:
@@ -368,7 +369,7 @@ def test_names_the_pool_keeps_go_when_their_process_does(how):
     assert not [n for n in names if os.path.exists(f"/dev/shm/{n}")]
 
 
-def test_running_out_of_descriptors_gives_back_the_pools_first():
+def test_running_out_of_descriptors_gives_back_recycled_segments_first():
     code = textwrap.dedent(
         """
         import os, resource
@@ -387,17 +388,17 @@ def test_running_out_of_descriptors_gives_back_the_pools_first():
             q, done, back = ctx.Queue(), ctx.Queue(), ctx.Queue()
             p = ctx.Process(target=hold_all, args=(q, 20, back))
             p.start()
-            for i in range(20):  # 20 pool memfds held by the consumer, then all kept here
+            for i in range(20):  # 20 recycled memfds held by the consumer, then all kept here
                 q.put(np.full(1 << 20, i, np.uint8))
             back.get()
             back.put(None)
             p.join()
-            while sharing._pool.kept_bytes() < 20 << 20:
+            while sharing._recycled.kept_bytes() < 20 << 20:
                 pass
             fds = len(os.listdir("/proc/self/fd"))
             resource.setrlimit(resource.RLIMIT_NOFILE, (fds + 8, fds + 8))
             held = [sharing.zeros(1 << 20, np.uint8) for _ in range(15)]
-            print(len(held), sharing._pool.kept_bytes())
+            print(len(held), sharing._recycled.kept_bytes())
         """
     )
     result = run_script(code)
@@ -443,7 +444,7 @@ def test_large_copies_split_in_two_threads_are_exact(make):
 
     assert fortran_only(shared) == fortran_only(source)  # the order is kept
     q = mp.Pipe()
-    q[1].send(source)  # the send's own copy (a pool segment), received in this process
+    q[1].send(source)  # the send's own copy (a recycled segment), received in this process
     received = q[0].recv()
     assert np.array_equal(received, source)
     for end in q:

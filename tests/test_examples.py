@@ -12,7 +12,7 @@ from _helpers import ROOT, script_env
 
 EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
 # example -> the optional module it needs (the `examples` extra installs them)
-NEEDS = {"hogwild.py": "sklearn"}
+NEEDS = {"hogwild.py": "sklearn", "pool_images.py": "sklearn"}
 
 
 @pytest.mark.timeout(150)
@@ -30,7 +30,7 @@ def test_example_runs(name):
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
-    if name == "hogwild.py":
+    if name in ("hogwild.py", "pool_images.py"):
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("test accuracy: "), last
         assert float(last.split(": ")[1]) >= 0.95, result.stdout

@@ -131,7 +131,8 @@ class Watcher:
 
     def want_write(self, fd: int, key: Any, write: bool) -> None:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if write else 0)
-        self._selector.modify(fd, events, key)
+        with contextlib.suppress(KeyError, ValueError):  # no longer watched: it is gone
+            self._selector.modify(fd, events, key)
 
     def remove(self, fd: int) -> None:
         with contextlib.suppress(KeyError, ValueError):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import itertools
 import logging
 import os
@@ -142,6 +143,7 @@ class _Worker:
         "kill_at",
         "idle_since",
         "pid",
+        "running",
     )
 
     def __init__(self, slot: int, proc: BaseProcess, sock: socket.socket, budget: int | None):
@@ -160,7 +162,7 @@ class _Worker:
         self.stopping: str | None = None  # why procspawn stops it, if it does
         self.kill_at: float | None = None  # when to SIGKILL it (stopping)
         self.idle_since = time.monotonic()
-
+        self.running = False  # it took tasks[0] off its channel (and may be running it)
 
 
 class Dispatcher:
@@ -251,9 +253,18 @@ class Dispatcher:
 
     def _check_open(self, at_most: str = RUNNING) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise self.broken_error()
         if self.state not in (RUNNING, at_most):
             raise ValueError("Pool not running")
+
+    def broken_error(self) -> BaseException:
+        """A fresh copy of the error that broke the pool, to raise (raising one object
+        again and again would chain its tracebacks)."""
+        broken = self.broken
+        assert broken is not None
+        error = copy.copy(broken)
+        error.__cause__ = broken.__cause__
+        return error
 
     def request(self, action: Callable[[], None]) -> None:
         """Run ``action`` in the dispatcher thread, soon."""
@@ -572,17 +583,26 @@ class Dispatcher:
         self._fill()
         if not self._pending:
             return
-        open_workers = [w for w in self._workers.values() if not w.stopping and w.budget != 0]
-        # one task to each worker with none; then, with a backlog, one more to those that
-        # are ready, so a worker never waits for the round trip between two tiny tasks
+        open_workers = [
+            w
+            for w in self._workers.values()
+            if not w.stopping and w.budget != 0 and not w.reader.eof  # eof: it is dying
+        ]
+        # One task to each worker with none. Then, with a backlog, one more to a ready
+        # worker whose task calls the same function as the next one (a map, a loop of
+        # submits): it never waits for the round trip between two tiny tasks, and a short
+        # task never waits behind an unrelated long one.
         for room in (1, 2):
             for worker in open_workers:
                 if not self._pending:
                     return
-                if len(worker.tasks) >= room or (room == 2 and not worker.ready):
+                if len(worker.tasks) >= room:
                     continue
-                if room == 2 and len(self._pending) <= len(open_workers):
-                    return
+                if room == 2:
+                    if len(self._pending) <= len(open_workers):
+                        return
+                    if not worker.ready or worker.tasks[0].job.fn is not self._pending[0].job.fn:
+                        continue
                 self._give(worker)
 
     def _give(self, worker: _Worker) -> None:
@@ -683,16 +703,21 @@ class Dispatcher:
             if not worker.tasks:
                 return
             task = worker.tasks.popleft()
+            worker.running = False
             _settle(task, False, _unpickling_error(task, worker, exc))
             self._done_with(worker)
             return
         tag = message[0]
-        if tag == "r":
+        if tag == "s":
+            worker.running = True
+        elif tag == "r":
             task = worker.tasks.popleft()
+            worker.running = False
             _settle(task, True, message[1])
             self._done_with(worker)
         elif tag == "e":
             task = worker.tasks.popleft()
+            worker.running = False
             _settle(task, False, remote_error(message[1], message[2]))
             self._done_with(worker)
         elif tag == "R":
@@ -729,22 +754,27 @@ class Dispatcher:
         assert code is not None
         tasks = list(worker.tasks)
         worker.tasks.clear()
+        # only the task it took off its channel can have killed it; the others never
+        # reached it and run elsewhere
+        running = tasks[0] if tasks and worker.running else None
+        if running is not None:
+            tasks = tasks[1:]
         expected = worker.stopping is not None
         retired = (
             code == 0
-            and not tasks
+            and running is None
             and (worker.budget == 0 or worker.stopping is not None or self.state == CLOSING)
         )
         self._forget_worker(worker)
         if expected or retired:
-            # stopped on purpose: the task it was running was abandoned; the rest go back
-            if tasks and tasks[0].job.abandoned:
-                tasks = tasks[1:]
+            # stopped on purpose: a task it was running belonged to an abandoned job
+            if running is not None and not running.job.abandoned:
+                tasks.insert(0, running)
             self._requeue(tasks)
             self._fill()
             return
-        error = self._death_error(worker, code, tasks[0] if tasks else None)
-        if not worker.ready and not tasks:
+        error = self._death_error(worker, code, running)
+        if not worker.ready and running is None:
             self._startup_failures += 1
             if self._startup_failures >= _STARTUP_FAILURES:
                 broken = InitializerError(
@@ -752,15 +782,18 @@ class Dispatcher:
                     f"ready; the pool cannot run tasks. The last one: {error.msg}"
                 )
                 broken.__cause__ = error
+                self._requeue(tasks)
                 self._break(broken)
                 return
         if self.break_on_death:
+            if running is not None:
+                tasks.insert(0, running)
             self._requeue(tasks)
             self._break(self._broken_error(error))
             return
-        if tasks:
-            _settle(tasks[0], False, error)
-        self._requeue(tasks[1:])
+        if running is not None:
+            _settle(running, False, error)
+        self._requeue(tasks)
         self._fill()
 
     def _requeue(self, tasks: list[Task]) -> None:

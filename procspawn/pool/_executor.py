@@ -12,7 +12,6 @@ workers. Workers start as work comes, up to ``max_workers``.
 from __future__ import annotations
 
 import concurrent.futures as _cf
-import copy
 import itertools
 import os
 import threading
@@ -146,11 +145,8 @@ class ProcessPoolExecutor(_cf.Executor):
         return future
 
     def _check_open(self) -> None:
-        broken = self._dispatcher.broken
-        if broken is not None:
-            error = copy.copy(broken)
-            error.__cause__ = broken.__cause__
-            raise error
+        if self._dispatcher.broken is not None:
+            raise self._dispatcher.broken_error()
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
 

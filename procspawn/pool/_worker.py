@@ -6,13 +6,16 @@ between workers, so a worker's death can leave nothing half-written. Messages::
     parent -> worker   (job id, fn or None, job id to forget or None, kind, payload)
                        None: exit now (the pool is closing)
     worker -> parent   ("R",)                        ready: the initializer ran
+                       ("s",)                        a task arrived and starts now
                        ("I", exception or None, text)  the initializer raised; exits 1
                        ("r", value)                  a task's result
                        ("e", exception or None, text)  a task raised (text: its traceback)
 
 A task's function is sent with the first task of its job that this worker gets and kept
 until the parent names it in "forget". Results go back in the order the tasks came, so
-the parent knows which task each answers and which one a dead worker was running.
+the parent knows which task each answers; "s", sent as a task is taken off the channel
+(before it is even unpickled), tells it whether a worker that died was running one or had
+only tasks it never started (those run elsewhere).
 A task that calls ``sys.exit`` or ``os._exit`` ends the worker, like a signal would: the
 parent reports it as that task's death.
 """
@@ -20,6 +23,7 @@ parent reports it as that task's death.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -30,6 +34,8 @@ from ..sharing import _pickler
 from ..sharing._fdpass import ChannelClosed, MessageReader, recv_message, send_message
 
 APPLY, MAP, STARMAP = 0, 1, 2
+_STARTED = pickle.dumps(("s",), pickle.HIGHEST_PROTOCOL)
+_EXIT = pickle.dumps(None, pickle.HIGHEST_PROTOCOL)  # what the parent sends to say "exit"
 
 
 def main(
@@ -44,6 +50,7 @@ def main(
     """Entry point of every pool worker (the ``multiprocessing.Process`` target)."""
     if redirect is not None:
         redirect.apply()  # fork, forkserver: output to the parent's pipes from here on
+        _streams_on_fds()
     if environ is not None:  # forkserver: the parent's environment, not the server's
         os.environ.clear()
         os.environ.update(environ)
@@ -77,6 +84,20 @@ def _ignore(signum: int, frame: Any) -> None:
     pass
 
 
+def _streams_on_fds() -> None:
+    """Under fork the worker inherits the parent's ``sys.stdout`` / ``sys.stderr``, which
+    may write elsewhere than descriptors 1 and 2 (a notebook's streams, pytest's
+    capture): point them at 1 and 2, the pipes the parent forwards and quotes from."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        try:
+            if stream is not None and stream.fileno() == fd:
+                continue
+        except (AttributeError, OSError, ValueError):
+            pass
+        setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))
+
+
 def _serve(channel: socket.socket, max_tasks: int | None) -> None:
     reader = MessageReader(channel)
     functions: dict[int, Any] = {}
@@ -86,6 +107,8 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
             data, fds = recv_message(reader)
         except (ChannelClosed, OSError):
             return  # the parent is gone or closed the channel
+        if data != _EXIT:
+            send_message(channel, _STARTED)
         try:
             task = _pickler.loads(data, fds)
         except BaseException as exc:
@@ -123,8 +146,9 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
         try:
             message = _pickler.dumps(("r", value))
         except BaseException as exc:
+            error = _encoding_error(exc, value)
             del value
-            _send_error(channel, "e", _encoding_error(exc, "value"))
+            _send_error(channel, "e", error)
             continue
         del value
         try:
@@ -133,16 +157,13 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
             message.close()
 
 
-def _encoding_error(exc: BaseException, what: str) -> BaseException:
+def _encoding_error(exc: BaseException, value: Any) -> BaseException:
+    """The stdlib Pool's error for a result that cannot be pickled (it rebuilds in the
+    parent from the two reprs it keeps)."""
+    import reprlib
     from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
 
-    err = MaybeEncodingError(exc, what)
-    err.args = (
-        f"the task's result could not be pickled to send it back to the parent: "
-        f"{type(exc).__name__}: {exc}. Return something picklable (arrays are fine), "
-        f"or turn it into plain data in the task",
-    )
-    return err
+    return MaybeEncodingError(exc, reprlib.repr(value))
 
 
 def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: str = "") -> None:

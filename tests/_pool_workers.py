@@ -1,0 +1,115 @@
+"""Module-level task functions for the pool tests (importable by workers under spawn)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+def square(x):
+    return x * x
+
+
+def add(x, y):
+    return x + y
+
+
+def slow_square(x, seconds=0.05):
+    time.sleep(seconds)
+    return x * x
+
+
+def sleep_forever(x):
+    time.sleep(600)
+    return x
+
+
+def die(how: str) -> None:
+    """End this process the way a task can: a signal, os._exit, a segfault."""
+    sys.stderr.write(f"last words of pid {os.getpid()} before {how}\n")
+    sys.stderr.flush()
+    if how == "sigkill":  # as the OOM killer does
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "os_exit":
+        os._exit(3)
+    elif how == "segfault":
+        ctypes.string_at(0)  # a real SIGSEGV, not a signal sent
+    elif how == "sys_exit":
+        sys.exit(5)
+    time.sleep(60)
+
+
+def maybe_die(x, bad, how, pause=0.0):
+    """x * x, except that the task with x == bad kills its worker."""
+    if x == bad:
+        time.sleep(pause)
+        die(how)
+    return x * x
+
+
+def pid_of(_=None):
+    return os.getpid()
+
+
+def array_sum(a):
+    return float(a.sum())
+
+
+def make_array(n):
+    return np.full(n, 7.0)
+
+
+def raise_value_error(x):
+    raise ValueError(f"bad value {x}")
+
+
+def return_lock():
+    import threading
+
+    return threading.Lock()
+
+
+class _Unrebuildable:
+    def __reduce__(self):
+        return (_refuse_in_parent, (os.getpid(),))
+
+
+def _refuse_in_parent(worker_pid):
+    if os.getpid() != worker_pid:
+        raise RuntimeError("this object cannot be rebuilt outside its worker")
+    return None
+
+
+def return_unrebuildable():
+    return _Unrebuildable()
+
+
+def bad_initializer():
+    raise ZeroDivisionError("the initializer failed on purpose")
+
+
+def exit_initializer():
+    os._exit(7)
+
+
+_state = {}
+
+
+def set_state(value):
+    _state["value"] = value
+
+
+def get_state(_=None):
+    return _state.get("value")
+
+
+def record_pid_and_sleep(path, seconds):
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(seconds)
+    return seconds

@@ -1,0 +1,363 @@
+"""procspawn.Pool and the executors as a user of the stdlib's would use them, and what goes
+wrong around a task: initializers that raise, results that cannot travel, Ctrl-C, many
+threads at once. Every wait has a deadline."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.pool import MaybeEncodingError, RemoteTraceback
+
+import numpy as np
+import pytest
+from _helpers import ROOT, script_env
+from _pool_workers import (
+    add,
+    array_sum,
+    bad_initializer,
+    exit_initializer,
+    get_state,
+    make_array,
+    pid_of,
+    raise_value_error,
+    return_lock,
+    return_unrebuildable,
+    set_state,
+    sleep_forever,
+    square,
+)
+
+import procspawn as mp
+from procspawn import sharing
+
+DEADLINE = 30.0
+
+
+@pytest.mark.timeout(60)
+def test_the_stdlib_api(start_method):
+    with mp.Pool(2, context=start_method) as p:
+        assert p.apply(add, (1, 2)) == 3
+        assert p.apply(add, (), {"x": 1, "y": 5}) == 6
+        assert p.map(square, range(50)) == [x * x for x in range(50)]
+        assert p.map(square, range(50), chunksize=7) == [x * x for x in range(50)]
+        assert p.starmap(add, [(1, 2), (3, 4)]) == [3, 7]
+        assert p.starmap_async(add, [(1, 2)]).get(DEADLINE) == [3]
+        assert list(p.imap(square, iter(range(20)), chunksize=3)) == [x * x for x in range(20)]
+        assert sorted(p.imap_unordered(square, range(20))) == [x * x for x in range(20)]
+        r = p.apply_async(square, (4,))
+        assert r.get(DEADLINE) == 16 and r.ready() and r.successful()
+        assert p.map(lambda x: x + 1, [1, 2]) == [2, 3]  # lambdas travel by cloudpickle
+        seen = []
+        p.map_async(square, [3], callback=seen.append).wait(DEADLINE)
+        assert seen == [[9]]
+    p.join()
+    with pytest.raises(ValueError, match="Pool not running"):
+        p.apply(square, (1,))
+
+
+@pytest.mark.timeout(60)
+def test_a_task_error_is_the_tasks_own_with_the_remote_traceback():
+    with mp.Pool(1, context="fork") as p:
+        with pytest.raises(ValueError, match="bad value 3") as info:
+            p.map(raise_value_error, [3])
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert "raise ValueError" in info.value.__cause__.tb
+        errors = []
+        p.apply_async(raise_value_error, (1,), error_callback=errors.append).wait(DEADLINE)
+        assert isinstance(errors[0], ValueError)
+
+
+@pytest.mark.timeout(60)
+def test_arrays_go_both_ways_through_shared_memory(start_method):
+    with mp.Pool(2, context=start_method) as p:
+        arrays = [np.arange(100_000, dtype=np.float64) * i for i in range(4)]
+        assert p.map(array_sum, arrays) == [float(a.sum()) for a in arrays]
+        out = p.apply(make_array, (1 << 18,))
+        assert out.shape == (1 << 18,) and float(out[0]) == 7.0
+        assert sharing.is_shared(out)  # the result's memory was not copied through a pipe
+        del out
+
+
+@pytest.mark.timeout(60)
+def test_the_initializer_runs_in_every_worker(start_method):
+    with mp.Pool(2, initializer=set_state, initargs=("ready",), context=start_method) as p:
+        assert set(p.map(get_state, range(8), chunksize=1)) == {"ready"}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["pool", "executor"])
+def test_an_initializer_that_raises_fails_the_calls_with_its_traceback(make):
+    if make == "pool":
+        pool = mp.Pool(2, initializer=bad_initializer, context="fork")
+        with pytest.raises(mp.InitializerError) as info:
+            # raised by get(), or by map_async() itself once the pool knows
+            pool.map_async(square, range(4)).get(DEADLINE)
+        with pytest.raises(mp.InitializerError):
+            pool.apply(square, (1,))
+        pool.terminate()
+    else:
+        ex = mp.ProcessPoolExecutor(2, mp_context="fork", initializer=bad_initializer)
+        future = ex.submit(square, 2)
+        with pytest.raises(cf.process.BrokenProcessPool) as info:
+            future.result(DEADLINE)
+        ex.shutdown()
+    assert isinstance(info.value, mp.InitializerError)
+    assert "the initializer failed on purpose" in str(info.value)
+    assert "bad_initializer" in str(info.value)  # the traceback
+
+
+@pytest.mark.timeout(60)
+def test_workers_that_die_before_they_are_ready_break_the_pool_instead_of_looping():
+    pool = mp.Pool(2, initializer=exit_initializer, context="fork")
+    try:
+        with pytest.raises(mp.InitializerError, match="died before they were ready"):
+            pool.map_async(square, range(4)).get(DEADLINE)
+    finally:
+        pool.terminate()
+
+
+@pytest.mark.timeout(60)
+def test_results_that_cannot_travel_fail_their_task_only():
+    with mp.Pool(2, context="fork") as p:
+        for _ in range(3):
+            with pytest.raises(MaybeEncodingError, match="Error sending result.*lock"):
+                p.apply(return_lock)
+        with pytest.raises(Exception, match="could not be unpickled in the parent") as info:
+            p.apply(return_unrebuildable)
+        assert "return_unrebuildable()" in str(info.value)
+        assert p.map(square, range(4)) == [0, 1, 4, 9]
+
+
+@pytest.mark.timeout(60)
+def test_arguments_that_cannot_be_pickled_fail_the_call():
+    with mp.Pool(1, context="fork") as p:
+        with pytest.raises(TypeError, match="lock"):
+            p.map(square, [threading.Lock()])
+        assert p.apply(square, (3,)) == 9
+
+
+@pytest.mark.timeout(60)
+def test_terminate_fails_what_is_not_done_and_leaves_nothing():
+    p = mp.Pool(2, context="fork")
+    pending = p.map_async(sleep_forever, range(10), chunksize=1)
+    started = time.monotonic()
+    p.terminate()
+    p.join()
+    assert time.monotonic() - started < DEADLINE
+    with pytest.raises(RuntimeError, match="terminated"):
+        pending.get(DEADLINE)
+
+
+@pytest.mark.timeout(60)
+def test_close_lets_the_work_given_finish():
+    p = mp.Pool(2, context="fork")
+    it = p.imap(square, range(30), chunksize=2)
+    result = p.map_async(square, range(10))
+    p.close()
+    p.join()
+    assert result.get(0) == [x * x for x in range(10)]
+    assert list(it) == [x * x for x in range(30)]
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments_are_refused_in_the_caller():
+    with pytest.raises(ValueError, match="at least 1"):
+        mp.Pool(0)
+    with pytest.raises(ValueError, match="maxtasksperchild"):
+        mp.Pool(1, maxtasksperchild=0)
+    with pytest.raises(TypeError, match="initializer must be a callable"):
+        mp.Pool(1, initializer=3)
+    with pytest.raises(ValueError, match="unknown start method"):
+        mp.Pool(1, context="nonsense")
+    with pytest.raises(ValueError, match="max_workers"):
+        mp.ProcessPoolExecutor(0)
+    with pytest.raises(ValueError, match="max_workers"):
+        mp.get_reusable_executor(0)
+    with pytest.raises(ValueError, match="timeout"):
+        mp.get_reusable_executor(1, timeout=-1)
+
+
+@pytest.mark.timeout(60)
+def test_the_drop_in_context_pool_is_procspawns():
+    with mp.get_context("fork").Pool(1) as p:
+        assert isinstance(p, mp.Pool)
+        assert p.apply(square, (5,)) == 25
+
+
+# -- the executor --------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_executor_api(start_method):
+    with mp.ProcessPoolExecutor(2, mp_context=start_method) as ex:
+        assert ex.submit(add, 2, y=3).result(DEADLINE) == 5
+        assert list(ex.map(square, range(10))) == [x * x for x in range(10)]
+        assert list(ex.map(add, range(10), range(10), chunksize=3)) == [2 * x for x in range(10)]
+        assert ex.submit(lambda: 7).result(DEADLINE) == 7
+        f = ex.submit(raise_value_error, 1)
+        assert isinstance(f.exception(DEADLINE), ValueError)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        ex.submit(square, 1)
+
+
+@pytest.mark.timeout(60)
+def test_executor_map_timeout_and_cancel_futures():
+    ex = mp.ProcessPoolExecutor(1, mp_context="fork")
+    try:
+        it = ex.map(sleep_forever, [1], timeout=0.2)
+        with pytest.raises(TimeoutError):
+            next(it)
+    finally:
+        ex._dispatcher.terminate(grace_period=0)
+    ex = mp.ProcessPoolExecutor(1, mp_context="fork")
+    running = ex.submit(time.sleep, 0.5)
+    deadline = time.monotonic() + DEADLINE
+    while not running.running():  # handed out (only a pending future can be cancelled)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    queued = [ex.submit(square, x) for x in range(5)]
+    ex.shutdown(wait=True, cancel_futures=True)
+    assert running.result(0) is None
+    assert all(f.cancelled() or f.result(0) is not None for f in queued)
+    assert any(f.cancelled() for f in queued)
+
+
+@pytest.mark.timeout(60)
+def test_max_tasks_per_child_replaces_workers_even_under_fork():
+    with mp.ProcessPoolExecutor(1, mp_context="fork", max_tasks_per_child=2) as ex:
+        pids = [ex.submit(pid_of).result(DEADLINE) for _ in range(6)]
+    assert len(set(pids)) == 3
+
+
+# -- the reusable executor -----------------------------------------------------------
+
+
+@pytest.fixture
+def reusable():
+    yield mp.get_reusable_executor
+    mp.get_reusable_executor().shutdown(wait=True)
+
+
+@pytest.mark.timeout(90)
+def test_the_reusable_executor_from_four_threads_at_once(reusable):
+    errors = []
+    results = {}
+
+    def work(n):
+        try:
+            for i in range(40):
+                ex = reusable(max_workers=2 + (i % 2))  # resized in place, never replaced
+                results[(n, i)] = ex.submit(square, n * 100 + i).result(DEADLINE)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE * 2)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    assert results == {(n, i): (n * 100 + i) ** 2 for n in range(4) for i in range(40)}
+    assert reusable(max_workers=2) is reusable(max_workers=2)
+
+
+@pytest.mark.timeout(90)
+def test_the_reusable_executor_is_replaced_after_it_broke(reusable):
+    ex = reusable(max_workers=1)
+    from _pool_workers import die
+
+    with pytest.raises(mp.TerminatedWorkerError):
+        ex.submit(die, "sigkill").result(DEADLINE)
+    again = reusable(max_workers=1)
+    assert again is not ex
+    assert again.submit(square, 6).result(DEADLINE) == 36
+
+
+@pytest.mark.timeout(90)
+def test_idle_workers_of_the_reusable_executor_exit_and_come_back(reusable):
+    ex = reusable(max_workers=2, timeout=0.3)
+    assert ex.submit(square, 2).result(DEADLINE) == 4
+    deadline = time.monotonic() + DEADLINE
+    while ex._processes:
+        assert time.monotonic() < deadline, "idle workers did not exit"
+        time.sleep(0.05)
+    assert ex.submit(square, 3).result(DEADLINE) == 9
+
+
+# -- Ctrl-C --------------------------------------------------------------------------
+
+_CTRL_C_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import procspawn as mp
+from _pool_workers import sleep_forever
+
+if __name__ == "__main__":
+    kind = sys.argv[1]
+    if kind == "pool":
+        with mp.Pool(2, context=sys.argv[2]) as pool:
+            result = pool.map_async(sleep_forever, range(4), chunksize=1)
+            print("running", flush=True)
+            result.get()
+    else:
+        with mp.ProcessPoolExecutor(2, mp_context=sys.argv[2]) as ex:
+            futures = [ex.submit(sleep_forever, i) for i in range(4)]
+            print("running", flush=True)
+            futures[0].result()
+"""
+
+
+def _group_alive(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", ["pool", "executor"])
+def test_ctrl_c_gives_one_traceback_and_leaves_nothing(kind, start_method):
+    code = _CTRL_C_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, kind, start_method],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(script_env(), PROCSPAWN_GRACE_PERIOD="2"),
+        start_new_session=True,  # its own process group, as a terminal's job
+    )
+    try:
+        assert proc.stdout.readline() == "running\n"
+        time.sleep(0.5)  # the tasks are running
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=DEADLINE)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert err.count("Traceback") == 1, err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+    deadline = time.monotonic() + 10
+    while _group_alive(proc.pid):
+        assert time.monotonic() < deadline, f"left alive: {_group_alive(proc.pid)}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_multiprocessing_default_start_method_is_the_pools():
+    with mp.Pool(1) as p:
+        assert p._dispatcher.start_method == multiprocessing.get_start_method()

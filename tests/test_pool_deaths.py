@@ -1,0 +1,187 @@
+"""The crash matrix of the pools: each way a worker can die x each call x each start method.
+
+A death fails exactly the task its worker was running, with a ProcessExitedException that
+names the pid, the signal or exit code, the call and the worker's last stderr lines; the
+tasks it had not started are not lost; a new worker takes its place and the pool goes on.
+The executor breaks as the stdlib's does, with a TerminatedWorkerError (a
+BrokenProcessPool). Every wait has a deadline: a hang is a failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import pytest
+from _pool_workers import die, maybe_die, pid_of, record_pid_and_sleep, slow_square, square
+
+import procspawn as mp
+
+WAYS = {
+    # how: (exit code, signal name)
+    "sigkill": (-signal.SIGKILL, "SIGKILL"),
+    "os_exit": (3, None),
+    "segfault": (-signal.SIGSEGV, "SIGSEGV"),
+}
+DEADLINE = 30.0  # seconds: only a real hang gets near it
+
+
+@pytest.fixture(params=mp.get_all_start_methods())
+def pool(request):
+    """A Pool of two workers; after the test it must have two live workers again and
+    compute right (it survived the death), then it is stopped."""
+    p = mp.Pool(2, context=request.param)
+    try:
+        yield p
+        assert p.map_async(square, range(20)).get(DEADLINE) == [x * x for x in range(20)]
+        deadline = time.monotonic() + DEADLINE
+        while not (len(p._pool) == 2 and all(w.is_alive() for w in p._pool)):
+            assert time.monotonic() < deadline, "the pool did not get back to two workers"
+            time.sleep(0.02)
+    finally:
+        p.terminate()
+        p.join()
+
+
+def _check(err: BaseException, how: str, call: str) -> None:
+    code, name = WAYS[how]
+    assert isinstance(err, mp.ProcessExitedException), repr(err)
+    assert err.exit_code == code
+    assert err.signal_name == name
+    assert err.pid > 0 and f"pid {err.pid}" in str(err)
+    assert call in str(err), str(err)
+    assert f"last words of pid {err.pid} before {how}" in str(err), str(err)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", WAYS)
+def test_map_raises_the_death_and_the_pool_goes_on(pool, how):
+    beside = pool.map_async(slow_square, range(8), chunksize=1)  # another call meanwhile
+    with pytest.raises(mp.ProcessExitedException) as info:
+        pool.map_async(_die_at_5, [(x, how) for x in range(8)], chunksize=1).get(DEADLINE)
+    _check(info.value, how, "_die_at_5((5,")
+    assert beside.get(DEADLINE) == [x * x for x in range(8)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", WAYS)
+def test_imap_unordered_loses_only_the_dead_task(pool, how):
+    it = pool.imap_unordered(_die_at_5, [(x, how) for x in range(12)])
+    values, errors = [], []
+    while True:
+        try:
+            values.append(it.next(timeout=DEADLINE))
+        except StopIteration:
+            break
+        except mp.ProcessExitedException as err:
+            errors.append(err)
+    assert len(errors) == 1
+    _check(errors[0], how, "_die_at_5((5,")
+    assert sorted(values) == sorted(x * x for x in range(12) if x != 5)
+
+
+def _die_at_5(pair):
+    x, how = pair
+    return maybe_die(x, 5, how)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", WAYS)
+def test_apply_async_of_a_dying_task_fails_it(pool, how):
+    others = [pool.apply_async(slow_square, (x,)) for x in range(4)]
+    doomed = pool.apply_async(die, (how,))
+    with pytest.raises(mp.ProcessExitedException) as info:
+        doomed.get(DEADLINE)
+    _check(info.value, how, f"die('{how}')")
+    assert not doomed.successful()
+    assert [r.get(DEADLINE) for r in others] == [0, 1, 4, 9]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", WAYS)
+def test_imap_raises_at_the_dead_tasks_place(pool, how):
+    it = pool.imap(_die_at_5, [(x, how) for x in range(8)])
+    got = [it.next(timeout=DEADLINE) for _ in range(5)]
+    assert got == [0, 1, 4, 9, 16]
+    with pytest.raises(mp.ProcessExitedException) as info:
+        it.next(timeout=DEADLINE)
+    _check(info.value, how, "_die_at_5((5,")
+    assert [it.next(timeout=DEADLINE) for _ in range(2)] == [36, 49]
+    with pytest.raises(StopIteration):
+        it.next(timeout=DEADLINE)
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_from_outside_while_idle_fails_nothing(pool):
+    victim = pool._pool[0]
+    victim.kill()
+    assert pool.map(square, range(10)) == [x * x for x in range(10)]
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_from_outside_mid_task_fails_that_task(pool, tmp_path):
+    marker = tmp_path / "pid"
+    result = pool.apply_async(record_pid_and_sleep, (str(marker), 60))
+    deadline = time.monotonic() + DEADLINE
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the task did not start"
+        time.sleep(0.01)
+    pid = int(marker.read_text())
+    assert pool.map(square, range(10)) == [x * x for x in range(10)]  # not stuck behind it
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(mp.ProcessExitedException) as info:
+        result.get(DEADLINE)
+    assert info.value.signal_name == "SIGKILL" and info.value.pid == pid
+    assert "record_pid_and_sleep(" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", mp.get_all_start_methods())
+@pytest.mark.parametrize("how", WAYS)
+def test_executor_breaks_as_the_stdlibs_does(method, how):
+    ex = mp.ProcessPoolExecutor(2, mp_context=method)
+    try:
+        assert ex.submit(square, 3).result(DEADLINE) == 9
+        doomed = ex.submit(die, how)
+        with pytest.raises(cf.process.BrokenProcessPool) as info:
+            doomed.result(DEADLINE)
+        err = info.value
+        assert isinstance(err, mp.TerminatedWorkerError)
+        _check(err, how, f"die('{how}')")
+        with pytest.raises(cf.process.BrokenProcessPool):
+            ex.submit(square, 2)
+    finally:
+        ex.shutdown(wait=True)
+    assert ex._processes == {}
+
+
+@pytest.mark.timeout(120)
+def test_executor_fails_every_pending_future_on_a_death():
+    with mp.ProcessPoolExecutor(1, mp_context="fork") as ex:
+        doomed = ex.submit(maybe_die, 1, 1, "sigkill", 0.2)
+        pending = [ex.submit(square, x) for x in range(5)]
+        done, not_done = cf.wait([doomed, *pending], timeout=DEADLINE)
+        assert not not_done
+        for f in [doomed, *pending]:
+            assert isinstance(f.exception(), mp.TerminatedWorkerError)
+
+
+@pytest.mark.timeout(90)
+def test_a_pool_of_one_survives_a_death_in_every_chunk():
+    with mp.Pool(1, context="fork") as p:
+        for _ in range(3):
+            with pytest.raises(mp.ProcessExitedException):
+                p.starmap(maybe_die, [(x, 2, "os_exit") for x in range(4)], chunksize=1)
+        assert p.map(square, range(5)) == [0, 1, 4, 9, 16]
+
+
+@pytest.mark.timeout(90)
+def test_maxtasksperchild_replaces_workers_and_deaths_still_fail_one_task():
+    with mp.Pool(2, maxtasksperchild=2, context="fork") as p:
+        pids = set(p.map(pid_of, range(12), chunksize=1))
+        assert len(pids) >= 6  # every worker ran at most two tasks
+        with pytest.raises(mp.ProcessExitedException):
+            p.starmap(maybe_die, [(x, 4, "sigkill") for x in range(8)], chunksize=1)
+        assert p.map(square, range(6), chunksize=1) == [0, 1, 4, 9, 16, 25]

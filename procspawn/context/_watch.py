@@ -139,6 +139,7 @@ class Watcher:
             self._selector.unregister(fd)
 
     def wake(self) -> None:
+        """End the current or next ``wait()`` (call it after making the news visible)."""
         if self._woken:
             return
         self._woken = True
@@ -149,10 +150,13 @@ class Watcher:
         ready = []
         for selkey, events in self._selector.select(timeout):
             if selkey.data is None:
-                self._woken = False
+                # drain first, then clear: cleared first, a wake() in between would write
+                # a byte the drain eats and leave the flag set on an empty pipe, and every
+                # later wake() would be lost
                 with contextlib.suppress(BlockingIOError):
                     while os.read(self._wake_r, 4096):
                         pass
+                self._woken = False
                 continue
             ready.append(
                 (

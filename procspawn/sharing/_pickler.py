@@ -19,6 +19,7 @@ import io
 import pickle
 import sys
 import threading
+import types
 from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -69,6 +70,24 @@ def _plain_types_overridden() -> bool:
 
 
 _NOT_PLAIN, _PLAIN, _PLAIN_WITH_ARRAYS = 0, 1, 2
+_LEAF_SET = frozenset(_PLAIN_LEAVES)
+_NAMED_TYPES = (types.FunctionType, types.BuiltinFunctionType, type)
+
+
+def _by_reference(obj: Any) -> bool:
+    """Whether ``obj`` (a function or class) is found under its name in a module other
+    than ``__main__`` that cloudpickle was not told to pickle by value: then the C pickler
+    pickles it by name, exactly as cloudpickle would, without importing cloudpickle."""
+    module_name = getattr(obj, "__module__", None)
+    if not module_name or module_name == "__main__":
+        return False
+    cloudpickle = sys.modules.get("cloudpickle.cloudpickle")
+    if cloudpickle is not None and getattr(cloudpickle, "_PICKLE_BY_VALUE_MODULES", None):
+        return False
+    found: Any = sys.modules.get(module_name)
+    for part in getattr(obj, "__qualname__", "<>").split("."):
+        found = getattr(found, part, None)
+    return found is obj
 
 
 def _is_plain(obj: Any) -> int:
@@ -90,6 +109,8 @@ def _is_plain(obj: Any) -> int:
         if t in _PLAIN_LEAVES:
             continue
         if t in _PLAIN_CONTAINERS:
+            if len(item) > 8 and set(map(type, item)) <= _LEAF_SET:
+                continue  # a long run of numbers or strings: checked at C speed
             stack.extend(item)
         elif t is dict:
             stack.extend(item.keys())
@@ -101,6 +122,8 @@ def _is_plain(obj: Any) -> int:
         elif np is not None and isinstance(item, np.generic):
             if item.dtype.hasobject:
                 return _NOT_PLAIN
+        elif t in _NAMED_TYPES and _by_reference(item):
+            continue  # a module-level function or class: pickled by name, as cloudpickle would
         else:
             return _NOT_PLAIN
     if _plain_types_overridden():

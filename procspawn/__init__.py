@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
         start_processes,
     )
     from .context._forkserver import set_forkserver_preload
+    from .context._start_method import get_start_method, set_start_method
     from .pool import (
         InitializerError,
         Pool,
@@ -60,6 +61,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "start_processes": (".context", "start_processes"),
     "Process": ("._dropin", "Process"),
     "get_context": ("._dropin", "get_context"),
+    "get_start_method": (".context._start_method", "get_start_method"),
+    "set_start_method": (".context._start_method", "set_start_method"),
     "InitializerError": (".pool", "InitializerError"),
     "Pool": (".pool", "Pool"),
     "ProcessPoolExecutor": (".pool", "ProcessPoolExecutor"),
@@ -95,10 +98,12 @@ __all__ = [
     "get_context",
     "get_reusable_executor",
     "get_sharing_strategy",
+    "get_start_method",
     "pool",
     "progress",
     "set_forkserver_preload",
     "set_sharing_strategy",
+    "set_start_method",
     "sharing",
     "spawn",
     "start_processes",

@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.context as mpc
 from typing import Any
 
+from .context._start_method import get_start_method, set_start_method
 from .sharing import _pickler, _strategy
 from .sharing._connection import Pipe as _Pipe
 from .sharing._queues import JoinableQueue as _JoinableQueue
@@ -116,7 +117,12 @@ class _ProcessMixin:
 
 
 class Process(_ProcessMixin, mpc.Process):
-    """``multiprocessing.Process`` (default start method) whose arguments share arrays."""
+    """``multiprocessing.Process`` whose arguments share arrays, started with procspawn's
+    default start method (``procspawn.get_start_method()``)."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return get_context(None).Process._Popen(process_obj)
 
 
 class SpawnProcess(_ProcessMixin, mpc.SpawnProcess):
@@ -179,17 +185,20 @@ class ForkServerContext(_ContextMixin, mpc.ForkServerContext):
 
 
 class DefaultContext(_ContextMixin, mpc.BaseContext):
-    """Follows multiprocessing's default start method (``set_start_method``)."""
+    """Follows procspawn's default start method (``procspawn.set_start_method``)."""
 
     Process = Process
 
     def get_context(self, method: str | None = None) -> Any:
         if method is None:
-            method = multiprocessing.get_start_method()
+            method = get_start_method()
         return get_context(method)
 
     def get_start_method(self, allow_none: bool = False) -> str:
-        return multiprocessing.get_start_method(allow_none)  # type: ignore[return-value]
+        return get_start_method(allow_none)
+
+    def set_start_method(self, method: str | None, force: bool = False) -> None:
+        set_start_method(method, force)
 
 
 _contexts: dict[str, Any] = {
@@ -211,7 +220,7 @@ def get_context(method: str | None = None) -> Any:
         ValueError: ``method`` is not a start method of this platform.
     """
     if method is None:
-        return default_context.get_context()
+        method = get_start_method()
     if method not in _contexts:
         raise ValueError(
             f"unknown start method {method!r}; this platform has: {', '.join(_contexts)}"

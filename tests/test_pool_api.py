@@ -358,6 +358,26 @@ def test_ctrl_c_gives_one_traceback_and_leaves_nothing(kind, start_method):
 
 
 @pytest.mark.timeout(60)
-def test_multiprocessing_default_start_method_is_the_pools():
+def test_one_default_start_method_and_get_start_method_tells_it(monkeypatch):
+    monkeypatch.delenv("PROCSPAWN_START_METHOD", raising=False)
+    stdlib_method = multiprocessing.get_start_method(allow_none=True)
+    assert mp.get_start_method() == "forkserver"
     with mp.Pool(1) as p:
-        assert p._dispatcher.start_method == multiprocessing.get_start_method()
+        assert p._dispatcher.start_method == "forkserver"
+    assert mp.get_context().get_start_method() == "forkserver"
+    proc = mp.Process(target=square, args=(2,))
+    proc.start()
+    proc.join(DEADLINE)
+    assert proc.exitcode == 0
+    assert type(proc._popen).__module__ == "multiprocessing.popen_forkserver"
+    try:
+        mp.set_start_method("spawn")
+        assert mp.get_start_method() == "spawn"
+        with pytest.raises(RuntimeError, match="set already"):
+            mp.set_start_method("fork")
+        with mp.ProcessPoolExecutor(1) as ex:
+            assert ex.submit(square, 3).result(DEADLINE) == 9
+            assert ex._dispatcher.start_method == "spawn"
+    finally:
+        mp.set_start_method(None, force=True)
+    assert multiprocessing.get_start_method(allow_none=True) == stdlib_method  # untouched

@@ -40,6 +40,7 @@ PRELOAD = [
     "procspawn.sharing._file_system",
 ]
 
+_user_preload: list[str] = []
 _server = forkserver.ForkServer()
 _server.set_forkserver_preload(PRELOAD)
 
@@ -53,8 +54,17 @@ def set_forkserver_preload(modules: list[str]) -> None:
     import it themselves)."""
     if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
         raise TypeError(f"set_forkserver_preload takes a list of module names, got {modules!r}")
+    _user_preload[:] = list(modules)
     _server.set_forkserver_preload(PRELOAD + [m for m in modules if m not in PRELOAD])
     multiprocessing.set_forkserver_preload(list(modules))
+
+
+def preload_also(modules: list[str]) -> None:
+    """Modules procspawn's own children run (the pool's worker loop), imported in the
+    server too if it has not started yet."""
+    global PRELOAD
+    PRELOAD = PRELOAD + [m for m in modules if m not in PRELOAD]
+    _server.set_forkserver_preload(PRELOAD + [m for m in _user_preload if m not in PRELOAD])
 
 
 def ensure_running() -> None:

@@ -33,21 +33,7 @@ from . import _worker
 from ._launch import parent_death_signal_is_safe, start_child
 from ._process_context import ProcessContext
 from ._progress import as_progress
-
-_START_METHOD_ENV = "PROCSPAWN_START_METHOD"
-
-
-def default_start_method() -> str:
-    """``PROCSPAWN_START_METHOD`` when set (``procspawn run --start-method`` sets it), else
-    "spawn"."""
-    method = os.environ.get(_START_METHOD_ENV) or "spawn"
-    methods = multiprocessing.get_all_start_methods()
-    if method not in methods:
-        raise ValueError(
-            f"{_START_METHOD_ENV}={method!r} is not a start method of this platform; "
-            f"use one of: {', '.join(methods)}"
-        )
-    return method
+from ._start_method import get_start_method
 
 
 def _check(
@@ -170,8 +156,9 @@ def start_processes(
         join: wait for all ranks and return their results (True), or return a
             ``ProcessContext`` at once (False).
         daemon: start the ranks as daemonic processes (they may not start their own).
-        start_method: "spawn", "forkserver" or "fork"; default: the environment variable
-            ``PROCSPAWN_START_METHOD``, else "spawn".
+        start_method: "spawn", "forkserver" or "fork"; default:
+            ``procspawn.get_start_method()`` (``set_start_method``, else the environment
+            variable ``PROCSPAWN_START_METHOD``, else "forkserver").
         kwargs: keyword arguments for ``fn``.
         timeout: with ``join=True``, seconds the ranks may run in all; past it every
             rank is stopped and ``ProcessTimeoutError`` raised.
@@ -221,7 +208,7 @@ def start_processes(
     if ray_address is not None:
         raise ValueError("ray_address applies to backend='ray' only")
     if start_method is None:
-        start_method = default_start_method()
+        start_method = get_start_method()
     args, kwargs = _check(fn, args, kwargs, nprocs, start_method, join, timeout, grace_period)
     shown = as_progress(progress)
     config = _child_config()

@@ -39,6 +39,7 @@ from typing import Any
 
 from .._output import OutputForwarder
 from ..context._errors import ProcessExitedException
+from ..context._forkserver import preload_also
 from ..context._launch import parent_death_signal_is_safe, start_child
 from ..context._watch import (
     Watcher,
@@ -58,6 +59,7 @@ from . import _worker
 from ._errors import InitializerError, TerminatedWorkerError
 
 _log = logging.getLogger("procspawn.pool")
+preload_also(["procspawn.pool._worker"])  # a worker forked by the fork server has it
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps (one per job it has tasks of)
@@ -804,9 +806,22 @@ class Dispatcher:
 
     def _death_error(self, worker: _Worker, code: int, task: Task | None) -> ProcessExitedException:
         how, name = describe_exit(code)
-        running = f" while running {task.job.describe(task)}" if task is not None else " while idle"
-        msg = f"pool worker (pid {worker.pid}) {how}{running}"
-        msg += last_words(self._output, worker.slot, _OUTPUT_DRAIN)
+        if task is not None:
+            when = f" while running {task.job.describe(task)}"
+        elif worker.ready:
+            when = " while idle"
+        else:
+            when = " while starting, before it ran any task"
+        msg = f"pool worker (pid {worker.pid}) {how}{when}"
+        words = last_words(self._output, worker.slot, _OUTPUT_DRAIN)
+        msg += words
+        if not worker.ready and not words and self.start_method != "fork":
+            msg += (
+                f"\nlikely cause: under the {self.start_method} start method a worker imports "
+                f"the main module again as it starts; a main module that makes a pool at its "
+                f'top level, without `if __name__ == "__main__":`, fails there (the error is '
+                f"printed on this program's stderr). Put that code under the guard."
+            )
         return ProcessExitedException(msg, worker.slot, worker.pid, code, name)
 
     def _broken_error(self, error: ProcessExitedException) -> BaseException:

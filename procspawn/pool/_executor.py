@@ -73,7 +73,7 @@ class ProcessPoolExecutor(_cf.Executor):
         max_workers: at most this many workers (default ``os.cpu_count()``); they start
             as work comes.
         mp_context: a multiprocessing context (or start method name) for the workers
-            (default: multiprocessing's default start method).
+            (default: ``procspawn.get_start_method()``, "forkserver").
         initializer: called as ``initializer(*initargs)`` in each worker as it starts; if
             it raises, the executor is broken (``procspawn.InitializerError``, a
             ``BrokenProcessPool``).

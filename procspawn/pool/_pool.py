@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import TimeoutError as _MpTimeoutError
 from typing import Any
 
+from ..context._start_method import get_start_method
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task
 
@@ -29,9 +30,10 @@ _FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the resul
 
 def start_method_of(context: Any) -> str:
     """The start method a ``context`` argument names: a multiprocessing context
-    (procspawn's or the stdlib's), a method name, or None (multiprocessing's default)."""
+    (procspawn's or the stdlib's), a method name, or None (procspawn's default,
+    ``procspawn.get_start_method()``)."""
     if context is None:
-        return multiprocessing.get_start_method()
+        return get_start_method()
     if isinstance(context, str):
         method = context
     else:
@@ -292,7 +294,7 @@ class Pool:
         maxtasksperchild: a worker exits after this many tasks (a map chunk is one) and
             a new one takes its place; None: workers live as long as the pool.
         context: a multiprocessing context, or a start method name, whose start method
-            the workers use (default: multiprocessing's default start method).
+            the workers use (default: ``procspawn.get_start_method()``, "forkserver").
 
     A worker that dies while it runs a task fails that task (``get()`` or the
     ``map``/``imap`` containing it raises ``procspawn.ProcessExitedException``, naming

@@ -1,0 +1,72 @@
+"""The one default start method of procspawn: ``spawn``, ``Pool``, the executors and the
+drop-in ``Process`` all start their processes with it.
+
+It is procspawn's fork server ("forkserver") where the platform has one, else "spawn":
+a child is a fork of a single-threaded server that imported NumPy, cloudpickle and
+procspawn once (fast, and safe in a parent with threads, which the pools' dispatcher
+thread makes every program; plain fork from a threaded parent can deadlock the child),
+and a missing ``if __name__ == "__main__":`` guard fails the same way everywhere.
+CPython 3.14 made forkserver multiprocessing's default on Linux for the same reasons.
+
+Order: ``set_start_method()``, else ``PROCSPAWN_START_METHOD`` (``procspawn run
+--start-method`` sets it), else the default. multiprocessing's own global default is
+neither read nor changed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+ENV = "PROCSPAWN_START_METHOD"
+_chosen: str | None = None
+
+
+def default_start_method() -> str:
+    """ "forkserver" where the platform has it, else "spawn"."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _check(method: object, where: str) -> str:
+    methods = multiprocessing.get_all_start_methods()
+    if method not in methods:
+        raise ValueError(
+            f"{where}{method!r} is not a start method of this platform; "
+            f"use one of: {', '.join(methods)}"
+        )
+    return method  # type: ignore[return-value]
+
+
+def get_start_method(allow_none: bool = False) -> str:
+    """The start method procspawn uses when none is given: the one set with
+    ``set_start_method``, else ``PROCSPAWN_START_METHOD``, else "forkserver" (or "spawn"
+    where there is no fork server).
+
+    Raises:
+        ValueError: ``PROCSPAWN_START_METHOD`` names no start method of this platform.
+    """
+    if _chosen is not None:
+        return _chosen
+    value = os.environ.get(ENV)
+    if value:
+        return _check(value, f"{ENV}=")
+    return default_start_method()
+
+
+def set_start_method(method: str | None, force: bool = False) -> None:
+    """Set procspawn's default start method (for ``spawn``, ``Pool``, the executors and
+    ``Process``); ``None`` with ``force=True`` goes back to the default.
+
+    Raises:
+        RuntimeError: it was set already (pass ``force=True`` to change it).
+        ValueError: ``method`` is not a start method of this platform.
+    """
+    global _chosen
+    if _chosen is not None and not force:
+        raise RuntimeError(
+            f"the start method was set already (to {_chosen!r}); pass force=True to change it"
+        )
+    _chosen = None if method is None else _check(method, "")
+
+
+__all__ = ["ENV", "default_start_method", "get_start_method", "set_start_method"]

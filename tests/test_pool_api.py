@@ -381,3 +381,26 @@ def test_one_default_start_method_and_get_start_method_tells_it(monkeypatch):
     finally:
         mp.set_start_method(None, force=True)
     assert multiprocessing.get_start_method(allow_none=True) == stdlib_method  # untouched
+
+
+@pytest.mark.timeout(90)
+def test_a_missing_main_guard_fails_clearly_instead_of_looping(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import procspawn as mp\n"
+        "def sq(x):\n"
+        "    return x * x\n"
+        "with mp.Pool(2) as p:\n"
+        "    print(p.map(sq, range(4)))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=script_env(),
+    )
+    assert result.returncode == 1
+    last = result.stderr[result.stderr.rindex("InitializerError") :]
+    assert "died before they were ready" in last
+    assert 'no `if __name__ == "__main__":` guard' in last

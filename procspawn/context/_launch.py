@@ -18,7 +18,7 @@ from typing import Any
 
 from .._output import OutputForwarder
 from ._forkserver import RankForkServerProcess
-from ._popen import RankSpawnProcess, RedirectFds
+from ._popen import EarlyRedirect, RankSpawnProcess, RedirectFds
 
 
 def start_child(
@@ -54,6 +54,8 @@ def start_child(
             proc = RankForkServerProcess(
                 target=target, args=(*args, RedirectFds(redirect), dict(os.environ)), name=name
             )
+            # applied before the child imports the main module again (see _popen)
+            proc._procspawn_early_redirect = EarlyRedirect(redirect)  # type: ignore[attr-defined]
         else:
             mp_context = multiprocessing.get_context(start_method)
             proc = mp_context.Process(  # type: ignore[attr-defined]

@@ -9,9 +9,9 @@ must be a pipe the parent reads, from the very start of the child:
   passes the pipe's descriptor to it and puts ``os.dup2`` in front of the command line's
   bootstrap code, so it runs before the main module is imported again;
 * fork, forkserver: the worker redirects its descriptors first thing (``RedirectFds``).
-  Under fork nothing of the user's runs before it. Under forkserver the child imports the
-  main module again first (as under spawn): what fails there is printed by the fork
-  server's stderr and the exception shows the exit code without that tail (a known limit).
+  Under fork nothing of the user's runs before it. Under procspawn's fork server the child
+  imports the main module again first (as under spawn), so the redirect also rides in the
+  preparation data (``EarlyRedirect``), which the child unpickles before that import.
 
 Under spawn the rank's ``RANK`` / ``WORLD_SIZE`` variables are set by the same command-line
 prefix, so the main module's top level sees them when it is imported again.
@@ -55,6 +55,19 @@ def _rebuild(dup_fds: dict[int, Any]) -> RedirectFds:
     return RedirectFds({target: dup.detach() for target, dup in dup_fds.items()})
 
 
+class EarlyRedirect(RedirectFds):
+    """A RedirectFds applied the moment it is unpickled: put in a forkserver child's
+    preparation data, it points the child's output at the pipes before the child imports
+    the main module again, so what fails there reaches the parent's error message."""
+
+    def __reduce__(self):
+        return (_apply, ({target: reduction.DupFd(fd) for target, fd in self.fds.items()},))
+
+
+def _apply(dup_fds: dict[int, Any]) -> None:
+    _rebuild(dup_fds).apply()
+
+
 def pickle_for_child(popen: Any, process_obj: Any) -> io.BytesIO:
     """What a spawn or forkserver child reads first: the preparation data (without a main
     path that is not a file: "<stdin>", "-c" have nothing to re-import) and the Process,
@@ -63,6 +76,10 @@ def pickle_for_child(popen: Any, process_obj: Any) -> io.BytesIO:
     main_path = prep_data.get("init_main_from_path")
     if main_path is not None and not os.path.isfile(main_path):
         del prep_data["init_main_from_path"]
+    early = process_obj.__dict__.pop("_procspawn_early_redirect", None)
+    if early is not None:
+        # a key prepare() does not know (it reads only its own): unpickling it is the point
+        prep_data["procspawn_redirect"] = early
     buf = io.BytesIO()
     set_spawning_popen(popen)
     try:

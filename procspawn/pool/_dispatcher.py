@@ -735,6 +735,19 @@ class Dispatcher:
             self._break(error)
 
     def _done_with(self, worker: _Worker) -> None:
+        """A worker answered a task: give it the next one now, before the other answers
+        that came with it are unpickled, so it does not wait on them."""
+        if (
+            self._pending
+            and self.broken is None
+            and self.state in (RUNNING, CLOSING)
+            and not worker.stopping
+            and worker.budget != 0
+            and not worker.reader.eof
+            and len(worker.tasks) < 2
+            and (not worker.tasks or worker.tasks[0].job.fn is self._pending[0].job.fn)
+        ):
+            self._give(worker)
         if not worker.tasks:
             worker.idle_since = time.monotonic()
 

@@ -30,8 +30,32 @@ from ._message import Message, RecvState, SendState, begin_receive, begin_send
 _local = threading.local()
 
 
+class _NotPlain(Exception):
+    """Raised while the C pickler runs: the message needs cloudpickle."""
+
+
 class _PlainPickler(pickle.Pickler):
-    """The C pickler with procspawn's reducers: for messages of plain data and arrays."""
+    """The C pickler with procspawn's reducers: for messages of plain data and arrays.
+
+    It refuses (``_NotPlain``) what only cloudpickle pickles right, so trying it costs
+    nothing for plain data: the C pickler asks ``reducer_override`` only about objects
+    that are not None, bools, ints, floats, strs, bytes, lists, tuples, dicts or sets.
+    """
+
+    dispatch_table: dict[type, Any]
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t in _PLAIN_LEAVES:
+            return NotImplemented
+        np = sys.modules.get("numpy")
+        if np is not None and (t is np.ndarray or isinstance(obj, np.generic)):
+            if obj.dtype.hasobject:
+                raise _NotPlain
+            return NotImplemented  # procspawn's reducer (the dispatch table) or numpy's
+        if t in _NAMED_TYPES and _by_reference(obj):
+            return NotImplemented  # by name, as cloudpickle would
+        raise _NotPlain
 
 
 def _plain_dumps(obj: Any) -> bytes:
@@ -248,7 +272,29 @@ def dumps(obj: Any, deferred: list[Any] | None = None) -> Message:
         caller calls once it was sent (or will never be).
     """
     _registry.load_plugins()
-    kind = _is_plain(obj) if deferred is None else _NOT_PLAIN
+    if deferred is None and not _plain_types_overridden():
+        # Plain data, arrays and functions by name: the C pickler, tried first (it
+        # refuses the rest before doing much).
+        state = SendState()
+        previous = begin_send(state)
+        try:
+            data = _plain_dumps(obj)
+        except (_NotPlain, pickle.PicklingError, AttributeError, TypeError):
+            # _NotPlain: cloudpickle's business. The others: a class the C pickler can
+            # only name (one defined in a function, or received by value in a child)
+            # goes through cloudpickle, by value, with a fresh message.
+            state.discard()
+            data = None
+        except BaseException:
+            state.discard()
+            raise
+        finally:
+            begin_send(previous)
+        if data is not None:
+            return state.message(data)
+        kind = _NOT_PLAIN
+    else:
+        kind = _is_plain(obj) if deferred is None else _NOT_PLAIN
     if kind == _PLAIN:  # nothing to share, nothing to reduce: the stdlib pickle as it is
         return Message(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
     state = SendState()

@@ -53,6 +53,10 @@ def test_the_stdlib_api(start_method):
         r = p.apply_async(square, (4,))
         assert r.get(DEADLINE) == 16 and r.ready() and r.successful()
         assert p.map(lambda x: x + 1, [1, 2]) == [2, 3]  # lambdas travel by cloudpickle
+        # more functions than a worker keeps: each call still runs its own
+        adders = [lambda x, k=k: x + k for k in range(40)]
+        assert [p.apply(f, (1,)) for f in adders] == [1 + k for k in range(40)]
+        assert [p.apply(f, (2,)) for f in reversed(adders)] == [2 + k for k in range(39, -1, -1)]
         seen = []
         p.map_async(square, [3], callback=seen.append).wait(DEADLINE)
         assert seen == [[9]]

@@ -62,7 +62,7 @@ _log = logging.getLogger("procspawn.pool")
 preload_also(["procspawn.pool._worker"])  # a worker forked by the fork server has it
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
-_FUNCTIONS_KEPT = 16  # functions a worker keeps (one per job it has tasks of)
+_FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
@@ -156,7 +156,7 @@ class _Worker:
         self.reader = MessageReader(sock)
         self.exit_fd, self.own_exit_fd = exit_handle(proc)
         self.tasks: collections.deque[Task] = collections.deque()
-        self.known: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.known: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self.budget = budget  # tasks it may still get (maxtasksperchild), None: no limit
         self.ready = False
         # messages not yet wholly sent: [Message, bytes sent so far]
@@ -618,22 +618,27 @@ class Dispatcher:
         else:
             return
         job = task.job
+        # A worker keeps the functions it was sent, by identity (the parent keeps them
+        # alive meanwhile, so an id is never reused): a loop of submits of one function
+        # pickles it once per worker, not once per call.
+        key = id(job.fn)
         fn = None
         forget = None
-        if job.id in worker.known:
-            worker.known.move_to_end(job.id)
+        if key in worker.known:
+            worker.known.move_to_end(key)
         else:
             fn = job.fn
-            worker.known[job.id] = None
-            if len(worker.known) > _FUNCTIONS_KEPT:
-                forget = worker.known.popitem(last=False)[0]
+            if len(worker.known) >= _FUNCTIONS_KEPT:
+                forget = next(iter(worker.known))
         try:
-            message = _pickler.dumps((job.id, fn, forget, task.kind, task.payload))
+            message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
         except BaseException as exc:
-            if fn is not None:
-                worker.known.pop(job.id, None)
             _settle(task, False, _pickling_error(job, task, exc))
             return
+        if fn is not None:
+            if forget is not None:
+                del worker.known[forget]
+            worker.known[key] = fn
         worker.tasks.append(task)
         if worker.budget is not None:
             worker.budget -= 1

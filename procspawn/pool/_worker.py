@@ -3,7 +3,7 @@
 Each worker has a channel of its own (a socketpair with the parent); nothing is shared
 between workers, so a worker's death can leave nothing half-written. Messages::
 
-    parent -> worker   (job id, fn or None, job id to forget or None, kind, payload)
+    parent -> worker   (fn key, fn or None, fn key to forget or None, kind, payload)
                        None: exit now (the pool is closing)
     worker -> parent   ("R",)                        ready: the initializer ran
                        ("s",)                        a task arrived and starts now
@@ -11,11 +11,12 @@ between workers, so a worker's death can leave nothing half-written. Messages::
                        ("r", value)                  a task's result
                        ("e", exception or None, text)  a task raised (text: its traceback)
 
-A task's function is sent with the first task of its job that this worker gets and kept
-until the parent names it in "forget". Results go back in the order the tasks came, so
-the parent knows which task each answers; "s", sent as a task is taken off the channel
-(before it is even unpickled), tells it whether a worker that died was running one or had
-only tasks it never started (those run elsewhere).
+A task's function is sent with the first task that calls it which this worker gets, and
+kept (under a key the parent chose) until the parent names it in "forget". Results go
+back in the order the tasks came, so the parent knows which task each answers; "s", sent
+as a task is taken off the channel (before it is even unpickled), tells it whether a
+worker that died was running one or had only tasks it never started (those run
+elsewhere).
 A task that calls ``sys.exit`` or ``os._exit`` ends the worker, like a signal would: the
 parent reports it as that task's death.
 """
@@ -117,14 +118,14 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
             continue
         if task is None:
             return
-        job, fn, forget, kind, payload = task
+        key, fn, forget, kind, payload = task
         del task
         if forget is not None:
             functions.pop(forget, None)
         if fn is not None:
-            functions[job] = fn
+            functions[key] = fn
         else:
-            fn = functions.get(job)
+            fn = functions.get(key)
         done += 1
         try:
             if fn is None:

@@ -6,9 +6,11 @@ program, as loky's does. All three run on one dispatcher (``_dispatcher``): each
 its own channel, the parent hands out tasks, and one thread watches every worker, so a
 death fails exactly what it must and never hangs a caller.
 
-Levels, each module importing only those below it:
+Levels (each module says its own in its first line), each importing only those below it:
 
-    3  _pool (Pool), _executor (ProcessPoolExecutor), _reusable (get_reusable_executor)
+    5  _reusable: get_reusable_executor
+    4  _executor: ProcessPoolExecutor (it takes _pool's start-method reading)
+    3  _pool: Pool and its results
     2  _dispatcher: hands out tasks, reads results, watches and replaces workers
     1  _worker: the loop a worker runs;  _errors: TerminatedWorkerError, InitializerError
 """

@@ -1,4 +1,4 @@
-"""The parent side of a pool: one thread hands out tasks to the workers and watches them.
+"""Level 2: the parent side of a pool: one thread hands out tasks to the workers and watches them.
 
 ::
 

@@ -1,4 +1,4 @@
-"""The exceptions the pools raise besides the tasks' own (built on ``context._errors``)."""
+"""Level 1: the exceptions the pools raise besides the tasks' own (built on ``context._errors``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``procspawn.ProcessPoolExecutor``: a ``concurrent.futures.Executor`` on the dispatcher.
+"""Level 4: ``procspawn.ProcessPoolExecutor``: a ``concurrent.futures.Executor`` on the dispatcher.
 
 As ``concurrent.futures.ProcessPoolExecutor``: ``submit`` returns a Future, ``map`` an
 iterator of results in order, and a worker that dies unexpectedly breaks the executor:

@@ -1,4 +1,4 @@
-"""``procspawn.Pool``: ``multiprocessing.pool.Pool``'s interface on procspawn's dispatcher.
+"""Level 3: ``procspawn.Pool``: ``multiprocessing.pool.Pool``'s interface on procspawn's dispatcher.
 
 What differs from the stdlib's is what happens when things go wrong: a worker that dies
 (any signal, ``os._exit``, a segfault, the OOM killer) fails exactly the task it was

@@ -1,4 +1,4 @@
-"""The child side of a pool: one worker's loop, reading tasks from its own channel.
+"""Level 1: the child side of a pool: one worker's loop, reading tasks from its own channel.
 
 Each worker has a channel of its own (a socketpair with the parent); nothing is shared
 between workers, so a worker's death can leave nothing half-written. Messages::

@@ -408,3 +408,24 @@ def test_a_missing_main_guard_fails_clearly_instead_of_looping(tmp_path):
     last = result.stderr[result.stderr.rindex("InitializerError") :]
     assert "died before they were ready" in last
     assert 'no `if __name__ == "__main__":` guard' in last
+
+
+@pytest.mark.timeout(60)
+def test_results_go_as_soon_as_the_caller_drops_them():
+    """No reference cycle keeps a map's values (shared segments) until a collection."""
+    import gc
+    import weakref
+
+    with mp.Pool(1, context="fork") as p:
+        gc.disable()
+        try:
+            values = p.map(make_array, [1000] * 3, chunksize=1)
+            refs = [weakref.ref(v) for v in values]
+            del values
+            assert [r() for r in refs] == [None, None, None]
+            out = list(p.imap_unordered(make_array, [1000] * 2))
+            refs = [weakref.ref(v) for v in out]
+            del out
+            assert [r() for r in refs] == [None, None]
+        finally:
+            gc.enable()

@@ -109,6 +109,9 @@ class ApplyResult:
         finally:
             self._event.set()
             self._callback = self._error_callback = None
+            # job <-> result is a cycle: broken here, so the values (arrays: shared
+            # segments) go as soon as the caller drops them, not at the next collection
+            self.__dict__.pop("job", None)
 
 
 AsyncResult = ApplyResult
@@ -130,8 +133,9 @@ class _CallResult(ApplyResult):
     job: Job
 
     def _interrupted(self) -> None:
-        if not self.ready():
-            self._dispatcher.abandon(self.job)
+        job = self.__dict__.get("job")
+        if job is not None and not self.ready():
+            self._dispatcher.abandon(job)
 
 
 class MapResult(_CallResult):

@@ -215,9 +215,10 @@ class Dispatcher:
         self._output = OutputForwarder()
         self._watcher = Watcher()
         deferred: list[Any] = []
-        message = _pickler.dumps(
-            (initializer, tuple(initargs), _strategy.snapshot()), deferred=deferred
-        )
+        payload = (initializer, tuple(initargs) if initializer else (), _strategy.snapshot())
+        # Queues, Locks in initargs only pickle as a process starts (deferred); with no
+        # initializer the payload is plain data, pickled without cloudpickle
+        message = _pickler.dumps(payload, deferred=deferred if initializer is not None else None)
         self._payload = StartupMessage(message, deferred)
         self._thread: threading.Thread | None = None
         self._grace = default_grace_period()

@@ -29,3 +29,12 @@ def debug(text: str, *args: Any) -> None:
             _logger.addHandler(handler)
         _logger.setLevel(logging.DEBUG)
     _logger.debug(text, *args)
+
+
+def exception(text: str, *args: Any) -> None:
+    """Log ``text % args`` and the exception being handled at ERROR level, always (with
+    no handler configured, Python prints it on stderr): for errors of procspawn's own
+    threads that no caller can be told about."""
+    import logging
+
+    logging.getLogger("procspawn").exception(text, *args)

@@ -153,99 +153,38 @@ _SKIP = {
     ("ExecutorDeadlock", "test_shutdown_deadlock_pickle", None): pytest.mark.skip(
         reason="reads the stdlib executor's internal ProcessPoolExecutor._executor_manager_thread"
     ),
-}
-
-
-def _xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(
-        reason=f"procspawn bug, to fix in procspawn/pool: {reason}", strict=True
-    )
-
-
-_NOT_STARTED_YET = _xfail(
-    "the executor starts its workers in the dispatcher thread, after submit() returned, so "
-    "_processes read just after submit() is empty (the stdlib starts them in submit(), all "
-    "max_workers at once under fork)"
-)
-_XFAIL: dict[tuple[str, str, str | None], pytest.MarkDecorator] = {
-    ("FailingInitializer", "test_initializer", None): _xfail(
-        "a failing initializer is not logged to the 'concurrent.futures' logger in the worker "
-        "(the stdlib's worker logs 'Exception in initializer:' with exc_info there)"
+    # procspawn's choices, where the stdlib's executor behaves otherwise on purpose:
+    ("ProcessPoolExecutor", "test_max_tasks_per_child", "fork"): pytest.mark.skip(
+        reason="procspawn allows max_tasks_per_child with the fork start method (the stdlib "
+        "refuses it); replacements are forked by the dispatcher thread, as the stdlib Pool does"
     ),
-    ("ProcessPoolShutdown", "test_cancel_futures", None): _xfail(
-        "shutdown(cancel_futures=True) cancels every task not yet handed to a worker, and the "
-        "workers are still starting: all 50 are cancelled, none runs"
+    ("ProcessPoolExecutor", "test_max_tasks_per_child_defaults_to_spawn_context", None): (
+        pytest.mark.skip(
+            reason="procspawn's one default start method is its fork server "
+            "(procspawn.get_start_method()), with or without max_tasks_per_child"
+        )
     ),
-    ("ProcessPoolShutdown", "test_processes_terminate", None): _xfail(
-        "_processes read just after submit() is empty (the workers start later, in the "
-        "dispatcher thread; under fork the stdlib starts all max_workers at once), and once "
-        "the executor is shut down, join() on those Process objects raises ValueError: the "
-        "dispatcher close()s them (_Dispatcher._forget_worker)"
+    ("ExecutorDeadlock", "test_error_at_task_unpickle", None): pytest.mark.skip(
+        reason="procspawn fails only that future with the error: no worker died, so the "
+        "executor is not broken (the stdlib's breaks)"
     ),
-    ("ProcessPoolShutdown", "test_submit_after_interpreter_shutdown", None): _xfail(
-        "submit() after the atexit hook raises ValueError('Pool not running') instead of "
-        "RuntimeError('cannot schedule new futures after interpreter shutdown')"
+    ("ExecutorDeadlock", "test_error_during_result_unpickle_in_result_handler", None): (
+        pytest.mark.skip(
+            reason="procspawn fails only that future with an UnpicklingError naming the call: "
+            "no worker died, so the executor is not broken (the stdlib's breaks)"
+        )
     ),
-    ("ProcessPoolExecutor", "test_free_reference", None): _xfail(
-        "map()'s result iterator keeps the chunk's result list (and its future) while it "
-        "yields the items"
-    ),
-    ("ProcessPoolExecutor", "test_killed_child", None): _NOT_STARTED_YET,
-    ("ProcessPoolExecutor", "test_saturation", None): _xfail(
-        "the executor starts its workers in the dispatcher thread, after submit() returned, so "
-        "_processes read just after submit() is empty; and the dispatcher thread dies of an "
-        "IndexError in _hand_out (worker.tasks[0] of a worker whose task failed to pickle)"
-    ),
-    ("ProcessPoolExecutor", "test_no_stale_references", None): _xfail(
-        "the parent keeps every function it sent to a worker (here a bound method, and so its "
-        "object) in _Worker.known after the call is done, up to 16 per worker (_Dispatcher._give)"
-    ),
-    ("ProcessPoolExecutor", "test_max_tasks_per_child", "fork"): _xfail(
-        "max_tasks_per_child with the fork context is accepted (the stdlib raises ValueError); "
-        "procspawn allows it on purpose: decide, and make this mark a skip naming why if so"
-    ),
-    ("ProcessPoolExecutor", "test_max_tasks_per_child_defaults_to_spawn_context", None): _xfail(
-        "_mp_context is the mp_context argument (None), not a context defaulting to spawn "
-        "when max_tasks_per_child is given; and an executor dropped without shutdown() keeps "
-        "its dispatcher thread and descriptors (no finalizer, the stdlib has a weakref callback)"
-    ),
-    ("ProcessPoolExecutor", "test_ressources_gced_in_workers", None): _xfail(
-        "the worker keeps a task's arguments alive after the task (the locals args, kwargs "
-        "of _worker._serve) until the next task"
-    ),
-    ("ProcessPoolExecutor", "test_traceback", None): _xfail(
-        "the worker's traceback is a multiprocessing.pool.RemoteTraceback, not the "
-        "executor's concurrent.futures.process._RemoteTraceback"
-    ),
-    ("ExecutorDeadlock", "test_error_at_task_unpickle", None): _xfail(
-        "a task that cannot be unpickled in the worker fails with its UnpicklingError, not "
-        "BrokenProcessPool"
-    ),
-    ("ExecutorDeadlock", "test_exit_at_task_unpickle", None): _xfail(
-        "sys.exit() while the worker unpickles a task is sent back as the task's SystemExit "
-        "(except BaseException in _worker._serve), not BrokenProcessPool"
-    ),
-    ("ExecutorDeadlock", "test_exit_during_func_exec_on_worker", None): _xfail(
-        "sys.exit() in the task ends the worker and breaks the executor (TerminatedWorkerError); "
-        "the stdlib's worker sends the SystemExit back as the task's exception"
-    ),
-    ("ExecutorDeadlock", "test_error_during_result_pickle_on_worker", None): _xfail(
-        "a result that cannot be pickled fails with multiprocessing.pool.MaybeEncodingError "
-        "(the Pool's error), not the pickling error itself as the stdlib's executor does"
-    ),
-    ("ExecutorDeadlock", "test_exit_during_result_pickle_on_worker", None): _xfail(
-        "sys.exit() while pickling the result gives MaybeEncodingError, not the SystemExit"
-    ),
-    ("ExecutorDeadlock", "test_error_during_result_unpickle_in_result_handler", None): _xfail(
-        "a result that cannot be unpickled in the parent fails with UnpicklingError, not "
-        "BrokenProcessPool"
-    ),
-    ("ExecutorDeadlock", "test_exit_during_result_unpickle_in_result_handler", None): _xfail(
-        "sys.exit() while the parent unpickles a result kills the dispatcher thread "
-        "(_on_message catches Exception only): RuntimeError('the pool's dispatcher thread "
-        "failed: SystemExit(1)'), not BrokenProcessPool"
+    ("ExecutorDeadlock", "test_exit_during_result_unpickle_in_result_handler", None): (
+        pytest.mark.skip(
+            reason="procspawn fails only that future with the SystemExit raised while the "
+            "parent unpickled the result: no worker died, so the executor is not broken"
+        )
     ),
 }
+
+
+# Known failures of procspawn, xfail(strict=True) with the cause, while any are open.
+_XFAIL: dict[tuple[str, str, str | None], pytest.MarkDecorator] = {}
 
 
 def _marks_for(group: str, test: str, method: str, table: dict) -> list[pytest.MarkDecorator]:

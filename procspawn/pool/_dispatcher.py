@@ -25,7 +25,6 @@ import atexit
 import collections
 import copy
 import itertools
-import logging
 import os
 import signal
 import socket
@@ -37,6 +36,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from .. import _log
 from .._output import OutputForwarder
 from ..context._errors import ProcessExitedException
 from ..context._forkserver import preload_also
@@ -58,7 +58,6 @@ from ..sharing._startup import StartupMessage
 from . import _worker
 from ._errors import InitializerError, TerminatedWorkerError
 
-_log = logging.getLogger("procspawn.pool")
 preload_also(["procspawn.pool._worker"])  # a worker forked by the fork server has it
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
@@ -156,7 +155,7 @@ class _Worker:
         self.reader = MessageReader(sock)
         self.exit_fd, self.own_exit_fd = exit_handle(proc)
         self.tasks: collections.deque[Task] = collections.deque()
-        self.known: collections.OrderedDict[int, Any] = collections.OrderedDict()
+        self.known: collections.OrderedDict[int, weakref.ref[Any]] = collections.OrderedDict()
         self.budget = budget  # tasks it may still get (maxtasksperchild), None: no limit
         self.ready = False
         # messages not yet wholly sent: [Message, bytes sent so far]
@@ -215,7 +214,12 @@ class Dispatcher:
         self._output = OutputForwarder()
         self._watcher = Watcher()
         deferred: list[Any] = []
-        payload = (initializer, tuple(initargs) if initializer else (), _strategy.snapshot())
+        payload = (
+            initializer,
+            tuple(initargs) if initializer else (),
+            _strategy.snapshot(),
+            break_on_death,  # an executor's worker keeps concurrent.futures' rules
+        )
         # Queues, Locks in initargs only pickle as a process starts (deferred); with no
         # initializer the payload is plain data, pickled without cloudpickle
         message = _pickler.dumps(payload, deferred=deferred if initializer is not None else None)
@@ -290,9 +294,15 @@ class Dispatcher:
         self.request(act)
 
     def cancel_pending(self) -> None:
-        """Drop every task not handed out yet, telling its job."""
+        """Drop the tasks not handed out yet, telling their jobs, but for those that
+        workers free or starting take next (as the stdlib's executor keeps what is in its
+        call queue)."""
         with self._lock:
-            dropped, self._pending = list(self._pending), collections.deque()
+            busy = sum(1 for w in list(self._workers.values()) if w.tasks)
+            keep = max(0, self.size - busy)
+            pending = list(self._pending)
+            dropped = pending[keep:]
+            self._pending = collections.deque(pending[:keep])
         for task in dropped:
             task.job.cancel(task)
         self._watcher.wake()
@@ -345,6 +355,20 @@ class Dispatcher:
         thread.join(timeout)
         return not thread.is_alive()
 
+    def sync(self, timeout: float = 10.0) -> None:
+        """Wait until the dispatcher thread has started the workers its work needs (an
+        executor starts them in that thread, after ``submit`` returned)."""
+        if threading.current_thread() is self._thread or not self.alive():
+            return
+        done = threading.Event()
+
+        def act() -> None:
+            self._fill()
+            done.set()
+
+        self.request(act)
+        done.wait(timeout)
+
     def workers(self) -> list[BaseProcess]:
         return [w.proc for w in list(self._workers.values())]
 
@@ -384,7 +408,7 @@ class Dispatcher:
                         self._read(worker)
                 self._on_timers()
         except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
-            _log.exception("procspawn pool dispatcher failed")
+            _log.exception("procspawn: a pool dispatcher thread failed")
             self._break(RuntimeError(f"the pool's dispatcher thread failed: {exc!r}"))
         finally:
             self._release()
@@ -500,7 +524,7 @@ class Dispatcher:
 
     def _retire(self, worker: _Worker, why: str) -> None:
         """Let a worker finish the tasks it has and exit (it gets no more)."""
-        _log.debug("worker pid %s retires: %s", worker.pid, why)
+        _log.debug("pool worker pid %s retires: %s", worker.pid, why)
         worker.stopping = why
         self._send(worker, None)
 
@@ -508,7 +532,7 @@ class Dispatcher:
         """Stop a worker now, on purpose: SIGTERM, SIGKILL after ``grace``."""
         if worker.stopping and worker.kill_at is not None:
             return
-        _log.debug("stopping worker pid %s: %s", worker.pid, why)
+        _log.debug("stopping pool worker pid %s: %s", worker.pid, why)
         worker.stopping = why
         send_signal(worker.proc, signal.SIGTERM)
         worker.kill_at = time.monotonic() + grace
@@ -524,13 +548,7 @@ class Dispatcher:
         self._stop_all(getattr(self, "_stop_grace", self._grace))
         for worker in list(self._workers.values()):
             self._read(worker)  # results already sent are kept
-            tasks = list(worker.tasks)
-            worker.tasks.clear()
-            for task in tasks:
-                _settle(task, False, error)
-            self._forget_worker(worker)
-        self._drop_pending(lambda task: True, error)
-        self.state = DONE
+        self._fail_all(error)
 
     def _break(self, error: BaseException) -> None:
         """The pool cannot go on: fail every task with ``error`` and stop every worker."""
@@ -538,6 +556,10 @@ class Dispatcher:
             if self.broken is None:
                 self.broken = error
         self._stop_all(0.0)
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The workers are stopped: fail every task they held and every pending one."""
         for worker in list(self._workers.values()):
             tasks = list(worker.tasks)
             worker.tasks.clear()
@@ -569,8 +591,6 @@ class Dispatcher:
         worker.reader.close()
         worker.sock.close()
         worker.proc.join(0)
-        if worker.proc.exitcode is not None and hasattr(worker.proc, "close"):
-            worker.proc.close()
 
     def _release(self) -> None:
         self._watcher.close()
@@ -601,7 +621,7 @@ class Dispatcher:
                     return
                 if len(worker.tasks) >= room:
                     continue
-                if room == 2:
+                if room == 2 and worker.tasks:
                     if len(self._pending) <= len(open_workers):
                         return
                     if not worker.ready or worker.tasks[0].job.fn is not self._pending[0].job.fn:
@@ -609,41 +629,57 @@ class Dispatcher:
                 self._give(worker)
 
     def _give(self, worker: _Worker) -> None:
-        while self._pending:
+        """Hand the next task that can go to ``worker``: cancelled ones are dropped, and
+        one that cannot be pickled fails at once and the next is tried."""
+        while True:
             with self._lock:
                 if not self._pending:
                     return
                 task = self._pending.popleft()
-            if task.job.start(task):
-                break
-        else:
+            if not task.job.start(task):
+                continue
+            message = self._message_for(worker, task)
+            if message is None:
+                continue
+            worker.tasks.append(task)
+            if worker.budget is not None:
+                worker.budget -= 1
+            self._send(worker, message)
             return
+
+    def _message_for(self, worker: _Worker, task: Task) -> Message | None:
+        """The task pickled for ``worker``, its function with it if the worker does not
+        have it yet; None (and the task failed) when it cannot be pickled.
+
+        A worker keeps the functions it was sent, under the id of the parent's object,
+        which the parent holds only weakly: a loop of submits of one function pickles it
+        once per worker, and an object whose bound method ran is not kept alive. An id
+        whose object died (maybe reused) is sent again.
+        """
         job = task.job
-        # A worker keeps the functions it was sent, by identity (the parent keeps them
-        # alive meanwhile, so an id is never reused): a loop of submits of one function
-        # pickles it once per worker, not once per call.
         key = id(job.fn)
         fn = None
         forget = None
-        if key in worker.known:
+        known = worker.known.get(key)
+        if known is not None and known() is job.fn:
             worker.known.move_to_end(key)
         else:
             fn = job.fn
-            if len(worker.known) >= _FUNCTIONS_KEPT:
+            if known is None and len(worker.known) >= _FUNCTIONS_KEPT:
                 forget = next(iter(worker.known))
         try:
             message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
         except BaseException as exc:
             _settle(task, False, _pickling_error(job, task, exc))
-            return
+            return None
         if fn is not None:
             if forget is not None:
                 del worker.known[forget]
-            worker.known[key] = fn
-        worker.tasks.append(task)
-        if worker.budget is not None:
-            worker.budget -= 1
-        self._send(worker, message)
+            try:
+                worker.known[key] = weakref.ref(fn)
+            except TypeError:  # no weak references to it: sent with every task
+                worker.known.pop(key, None)
+        return message
 
     def _send(self, worker: _Worker, message: Message | None) -> None:
         """Queue a message (None: the exit request) and send what the socket takes."""
@@ -707,7 +743,7 @@ class Dispatcher:
     def _on_message(self, worker: _Worker, data: bytes, fds: list[int]) -> None:
         try:
             message = _pickler.loads(data, fds)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit from a __reduce__ too: not this thread's end
             if not worker.tasks:
                 return
             task = worker.tasks.popleft()
@@ -726,7 +762,7 @@ class Dispatcher:
         elif tag == "e":
             task = worker.tasks.popleft()
             worker.running = False
-            _settle(task, False, remote_error(message[1], message[2]))
+            _settle(task, False, remote_error(message[1], message[2], self.break_on_death))
             self._done_with(worker)
         elif tag == "R":
             worker.ready = True
@@ -860,20 +896,25 @@ def _settle(task: Task, ok: bool, value: Any) -> None:
     try:
         job.settle(task, ok, value)
     except Exception:
-        _log.exception("procspawn pool: a result callback raised")
+        _log.exception("procspawn: a pool result callback raised")
 
 
-def remote_error(exc: BaseException | None, text: str) -> BaseException:
-    """The exception a task raised, with the worker's traceback as its cause (as the
-    stdlib's pools give it)."""
-    from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]
+def remote_error(exc: BaseException | None, text: str, executor: bool = False) -> BaseException:
+    """The exception a task raised, with the worker's traceback as its cause, of the
+    type the stdlib's Pool or executor gives."""
+    if executor:
+        from concurrent.futures.process import (  # type: ignore[assignment]
+            _RemoteTraceback as RemoteTraceback,
+        )
+    else:
+        from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined,no-redef]
 
     if exc is None:
         exc = RuntimeError(
             "the task raised an exception that could not be sent back to the parent; "
             "its traceback:\n" + text
         )
-    exc.__cause__ = RemoteTraceback(text)
+    exc.__cause__ = RemoteTraceback(text)  # type: ignore[arg-type]
     return exc
 
 

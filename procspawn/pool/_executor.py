@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import concurrent.futures as _cf
 import itertools
+import multiprocessing
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -103,25 +105,31 @@ class ProcessPoolExecutor(_cf.Executor):
                 raise TypeError("max_tasks_per_child must be an integer")
             if max_tasks_per_child <= 0:
                 raise ValueError("max_tasks_per_child must be >= 1")
+        method = start_method_of(mp_context)
         self._max_workers = max_workers
-        self._mp_context = mp_context
+        self._mp_context = multiprocessing.get_context(method)  # what the stdlib's keeps
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
         self._dispatcher = Dispatcher(
             max_workers,
-            start_method=start_method_of(mp_context),
+            start_method=method,
             initializer=initializer,
             initargs=initargs,
             max_tasks=max_tasks_per_child,
             break_on_death=True,
-            lazy=True,
+            # as work comes; under fork all at once, from this thread (forking the
+            # dispatcher thread's process later would fork a threaded process)
+            lazy=method != "fork",
             idle_timeout=_idle_timeout,
             name="executor",
         )
+        # an executor dropped without shutdown() finishes its work, then its workers exit
+        weakref.finalize(self, self._dispatcher.close)
 
     @property
     def _processes(self) -> dict[int, Any]:
         """The worker processes now, by pid (the stdlib's attribute)."""
+        self._dispatcher.sync()
         return {p.pid: p for p in self._dispatcher.workers() if p.pid is not None}
 
     @property
@@ -149,6 +157,8 @@ class ProcessPoolExecutor(_cf.Executor):
             raise self._dispatcher.broken_error()
         if self._shutdown:
             raise RuntimeError("cannot schedule new futures after shutdown")
+        if not self._dispatcher.alive():  # stopped by the interpreter's exit
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
     def map(
         self,
@@ -206,6 +216,7 @@ class ProcessPoolExecutor(_cf.Executor):
 
 
 def _results(futures: list[_cf.Future], end_time: float | None) -> Iterator[Any]:
+    """map's values in order; nothing of a value is held once it was yielded."""
     try:
         futures.reverse()
         while futures:
@@ -215,7 +226,10 @@ def _results(futures: list[_cf.Future], end_time: float | None) -> Iterator[Any]
             else:
                 values = future.result(end_time - time.monotonic())
             futures.pop()
-            yield from values
+            del future
+            values.reverse()
+            while values:
+                yield values.pop()
     finally:
         for future in futures:
             future.cancel()

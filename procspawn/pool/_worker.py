@@ -64,7 +64,7 @@ def main(
     signal.signal(signal.SIGINT, _ignore)
     try:
         try:
-            initializer, initargs, strategy = payload.load()
+            initializer, initargs, strategy, executor = payload.load()
             from ..sharing import _strategy
 
             _strategy.restore(strategy)
@@ -73,10 +73,16 @@ def main(
         except SystemExit:
             raise
         except BaseException as exc:
+            if executor:  # as the stdlib's executor workers do
+                import logging
+
+                logging.getLogger("concurrent.futures").critical(
+                    "Exception in initializer:", exc_info=True
+                )
             _send_error(channel, "I", exc)
             sys.exit(1)
         _send(channel, ("R",))
-        _serve(channel, max_tasks)
+        _serve(channel, max_tasks, executor)
     finally:
         channel.close()
 
@@ -99,7 +105,12 @@ def _streams_on_fds() -> None:
         setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))
 
 
-def _serve(channel: socket.socket, max_tasks: int | None) -> None:
+def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> None:
+    """Run tasks until told to stop, the budget is spent or the parent is gone.
+
+    ``executor``: concurrent.futures' rules, where a task's ``sys.exit()`` and a result
+    that cannot be pickled are that task's exception; a Pool's worker exits on the
+    first (as the stdlib Pool's) and reports the second as ``MaybeEncodingError``."""
     reader = MessageReader(channel)
     functions: dict[int, Any] = {}
     done = 0
@@ -112,6 +123,8 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
             send_message(channel, _STARTED)
         try:
             task = _pickler.loads(data, fds)
+        except SystemExit:
+            raise
         except BaseException as exc:
             _send_error(channel, "e", exc, "the task could not be unpickled in the worker: ")
             done += 1
@@ -131,15 +144,14 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
             if fn is None:
                 raise RuntimeError("the task's function did not reach this worker")
             if kind == APPLY:
-                args, kwargs = payload
-                value = fn(*args, **kwargs)
+                value = fn(*payload[0], **payload[1])
             elif kind == MAP:
                 value = [fn(item) for item in payload]
             else:
                 value = [fn(*item) for item in payload]
-        except SystemExit:
-            raise
         except BaseException as exc:
+            if isinstance(exc, SystemExit) and not executor:
+                raise
             del fn, payload
             _send_error(channel, "e", exc)
             continue
@@ -147,7 +159,7 @@ def _serve(channel: socket.socket, max_tasks: int | None) -> None:
         try:
             message = _pickler.dumps(("r", value))
         except BaseException as exc:
-            error = _encoding_error(exc, value)
+            error = exc if executor else _encoding_error(exc, value)
             del value
             _send_error(channel, "e", error)
             continue

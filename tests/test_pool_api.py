@@ -107,9 +107,9 @@ def test_an_initializer_that_raises_fails_the_calls_with_its_traceback(make):
         pool.terminate()
     else:
         ex = mp.ProcessPoolExecutor(2, mp_context="fork", initializer=bad_initializer)
-        future = ex.submit(square, 2)
         with pytest.raises(cf.process.BrokenProcessPool) as info:
-            future.result(DEADLINE)
+            # raised by result(), or by submit() itself once the executor knows
+            ex.submit(square, 2).result(DEADLINE)
         ex.shutdown()
     assert isinstance(info.value, mp.InitializerError)
     assert "the initializer failed on purpose" in str(info.value)
@@ -333,7 +333,10 @@ def _group_alive(pgid: int) -> list[int]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("kind", ["pool", "executor"])
+@pytest.mark.parametrize(
+    "kind, start_method",
+    [("pool", m) for m in mp.get_all_start_methods()] + [("executor", "forkserver")],
+)
 def test_ctrl_c_gives_one_traceback_and_leaves_nothing(kind, start_method):
     code = _CTRL_C_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
     proc = subprocess.Popen(

@@ -210,6 +210,7 @@ class Dispatcher:
         self._slots = itertools.count()
         self._startup_failures = 0
         self._feeders = 0
+        self._demand = 0  # lazy: how many workers the work so far asked for
         self._requests: list[Callable[[], None]] = []  # run by the dispatcher thread
         self._output = OutputForwarder()
         self._watcher = Watcher()
@@ -249,6 +250,9 @@ class Dispatcher:
         with self._lock:
             self._check_open(CLOSING if accepted else RUNNING)
             self._pending.extend(tasks)
+            # lazy: the workers this work asks for, even if its tasks end before any
+            # worker took them (as the stdlib's executor starts one per submit)
+            self._demand = min(self.size, max(self._demand, len(self._pending)))
         self._watcher.wake()
 
     def feeding(self, change: int) -> None:
@@ -310,6 +314,7 @@ class Dispatcher:
     def resize(self, processes: int) -> None:
         def act() -> None:
             self.size = processes
+            self._demand = min(self._demand, processes)
             self._fill()
             self._shrink()
 
@@ -445,6 +450,7 @@ class Dispatcher:
                 and now - worker.idle_since >= self.idle_timeout
                 and not self._pending
             ):
+                self._demand = max(0, self._demand - 1)
                 self._retire(worker, "idle for longer than the timeout")
 
     def _all_done(self) -> bool:
@@ -498,7 +504,7 @@ class Dispatcher:
         wanted = self.size
         if self.lazy:
             busy = len(self._pending) + sum(len(w.tasks) for w in self._workers.values())
-            wanted = min(wanted, busy)
+            wanted = min(wanted, max(busy, self._demand))
         if self.state == CLOSING and not self._pending:
             return
         while self._live_count() < wanted:

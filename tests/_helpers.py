@@ -136,6 +136,18 @@ def run_script(
     )
 
 
+def run_file(path: str, timeout: float = 80) -> subprocess.CompletedProcess:
+    """Run the script file ``path`` in a fresh interpreter, as ``python path`` (its main
+    module is a file the children of spawn and forkserver import again)."""
+    return subprocess.run(
+        [sys.executable, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=script_env(),
+    )
+
+
 def run_stdin_script(code: str, timeout: float = 80) -> subprocess.CompletedProcess:
     """Run ``code`` fed on stdin (``python -``), as a user piping a script would."""
     return subprocess.run(

@@ -16,7 +16,7 @@ from multiprocessing.pool import MaybeEncodingError, RemoteTraceback
 
 import numpy as np
 import pytest
-from _helpers import ROOT, script_env
+from _helpers import ROOT, run_file, script_env
 from _pool_workers import (
     add,
     array_sum,
@@ -400,13 +400,7 @@ def test_a_missing_main_guard_fails_clearly_instead_of_looping(tmp_path):
         "with mp.Pool(2) as p:\n"
         "    print(p.map(sq, range(4)))\n"
     )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        env=script_env(),
-    )
+    result = run_file(script)
     assert result.returncode == 1
     last = result.stderr[result.stderr.rindex("InitializerError") :]
     assert "died before they were ready" in last

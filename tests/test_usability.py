@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from _helpers import run_script, run_stdin_script, script_env
+from _helpers import run_file, run_script, run_stdin_script, script_env
 from _usability_workers import (
     count_steps,
     quick_or_fail,
@@ -173,13 +173,7 @@ def test_missing_main_guard_is_explained(tmp_path):
     script.write_text(
         "import procspawn\n\ndef f(rank):\n    return rank\n\nprint(procspawn.spawn(f, nprocs=2))\n"
     )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=80,
-        env=script_env(),
-    )
+    result = run_file(script)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()
     message = result.stderr[result.stderr.rindex("ProcessExitedException") :]

@@ -52,7 +52,14 @@ from ..context._watch import (
     stop,
 )
 from ..sharing import _pickler, _strategy
-from ..sharing._fdpass import ChannelClosed, MessageReader, message_size, send_more
+from ..sharing._fdpass import (
+    ChannelClosed,
+    MessageReader,
+    message_size,
+    send_message,
+    send_more,
+    try_send_message,
+)
 from ..sharing._message import Message
 from ..sharing._startup import StartupMessage
 from . import _worker
@@ -676,7 +683,7 @@ class Dispatcher:
         try:
             message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
         except BaseException as exc:
-            _settle(task, False, _pickling_error(job, task, exc))
+            _settle(task, False, exc)  # the pickler's error names what failed
             return None
         if fn is not None:
             if forget is not None:
@@ -700,8 +707,6 @@ class Dispatcher:
                 entry = worker.outbox[0]
                 message, sent = entry
                 if len(message.fds) > _MAX_FDS_NONBLOCKING and sent == 0:
-                    from ..sharing._fdpass import send_message
-
                     worker.sock.setblocking(True)
                     try:
                         send_message(worker.sock, message.data, message.fds)
@@ -709,8 +714,6 @@ class Dispatcher:
                         worker.sock.setblocking(False)
                     sent = message_size(message.data)
                 elif sent == 0:
-                    from ..sharing._fdpass import try_send_message
-
                     sent = try_send_message(worker.sock, message.data, message.fds)
                     if sent and sent < message_size(message.data):
                         sent = send_more(worker.sock, message.data, len(message.fds), sent)
@@ -921,11 +924,6 @@ def remote_error(exc: BaseException | None, text: str, executor: bool = False) -
             "its traceback:\n" + text
         )
     exc.__cause__ = RemoteTraceback(text)  # type: ignore[arg-type]
-    return exc
-
-
-def _pickling_error(job: Job, task: Task, exc: BaseException) -> BaseException:
-    """A task that cannot be pickled: the error itself, which names what failed."""
     return exc
 
 

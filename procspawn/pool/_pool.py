@@ -428,9 +428,7 @@ class Pool:
         error_callback: Any = None,
     ) -> MapResult:
         self._check_running()
-        if not hasattr(iterable, "__len__"):
-            iterable = list(iterable)
-        items = list(iterable) if not isinstance(iterable, list) else iterable
+        items = iterable if isinstance(iterable, list) else list(iterable)
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:

@@ -426,3 +426,33 @@ def test_results_go_as_soon_as_the_caller_drops_them():
             assert [r() for r in refs] == [None, None]
         finally:
             gc.enable()
+
+
+@pytest.mark.timeout(90)
+def test_under_fork_a_scripts_functions_go_by_name_only_when_the_worker_has_them(tmp_path):
+    """A forked worker has every function ``__main__`` had when it was forked: those go by
+    name (no cloudpickle import, as the stdlib's Pool); one defined or redefined since
+    goes by value, so the worker runs what the parent has now, never a stale copy."""
+    script = tmp_path / "by_name.py"
+    script.write_text(
+        "import sys\n"
+        "import procspawn as mp\n"
+        "def tag(x):\n"
+        "    return ('old', x)\n"
+        "if __name__ == '__main__':\n"
+        "    with mp.Pool(2, context='fork') as p:\n"
+        "        assert p.map(tag, range(4)) == [('old', i) for i in range(4)]\n"
+        "        assert 'cloudpickle' not in sys.modules, 'sent by value'\n"
+        "        def tag(x):\n"
+        "            return ('new', x)\n"
+        "        assert p.map(tag, range(4)) == [('new', i) for i in range(4)]\n"
+        "        def later(x):\n"
+        "            return x * 3\n"
+        "        assert p.apply(later, (5,)) == 15\n"
+        "    with mp.ProcessPoolExecutor(1, mp_context='fork') as ex:\n"
+        "        assert ex.submit(tag, 1).result(30) == ('new', 1)\n"
+        "    print('ok')\n"
+    )
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -40,6 +40,17 @@ def set_parent_death_signal() -> bool:
         return False
 
 
+def guard_parent(parent_pid: int, use_death_signal: bool) -> None:
+    """Make sure this process does not outlive ``parent_pid``: by the death signal alone
+    when ``use_death_signal`` (the caller knows the parent is the thread that forked us
+    and lives as long as its process) and the kernel took it, else by a watchdog thread."""
+    if use_death_signal and set_parent_death_signal():
+        if os.getppid() != parent_pid:  # it died before the signal was asked for
+            _die()
+        return
+    watch_parent(parent_pid)
+
+
 def watch_parent(parent_pid: int) -> None:
     """Kill this process within about a second of ``parent_pid`` exiting."""
     pidfd = None

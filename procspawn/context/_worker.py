@@ -35,9 +35,7 @@ def main(
         os.environ.clear()
         os.environ.update(environ)
     channel.settimeout(None)  # blocking, whatever socket.setdefaulttimeout() says
-    if use_death_signal:
-        _posix.set_parent_death_signal()
-    _posix.watch_parent(parent_pid)
+    _posix.guard_parent(parent_pid, use_death_signal)
     _set_rank_environment(rank, world_size)
     _interrupt_once()
     try:

@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
@@ -112,6 +113,30 @@ class Job:
         return describe_call(self.fn, task.kind, task.payload)
 
 
+def _main_functions() -> dict[str, weakref.ref[Any]]:
+    """The functions ``__main__`` has now, by name, held weakly: a worker forked next has
+    the same, so they can be sent to it by name (as the stdlib does under fork), which
+    spares importing cloudpickle (tens of ms) for the first call of a script's function."""
+    main = sys.modules.get("__main__")
+    found: dict[str, weakref.ref[Any]] = {}
+    for name, value in list(getattr(main, "__dict__", {}).items()):
+        if type(value) is types.FunctionType:
+            found[name] = weakref.ref(value)
+    return found
+
+
+def _main_name(worker: _Worker, fn: Any) -> Any:
+    """What to send of ``fn``: ``(MAIN, name)`` when ``worker`` was forked with this very
+    function in ``__main__`` under that name (a function defined or redefined since is
+    another object), else ``fn`` itself (pickled by value if it must be)."""
+    known = worker.main_functions
+    if known and type(fn) is types.FunctionType and fn.__module__ == "__main__":
+        ref = known.get(fn.__qualname__)
+        if ref is not None and ref() is fn:
+            return (_worker.MAIN, fn.__qualname__)
+    return fn
+
+
 def describe_call(fn: Any, kind: int, payload: Any) -> str:
     import reprlib
 
@@ -152,6 +177,7 @@ class _Worker:
         "idle_since",
         "pid",
         "running",
+        "main_functions",
     )
 
     def __init__(self, slot: int, proc: BaseProcess, sock: socket.socket, budget: int | None):
@@ -171,6 +197,8 @@ class _Worker:
         self.kill_at: float | None = None  # when to SIGKILL it (stopping)
         self.idle_since = time.monotonic()
         self.running = False  # it took tasks[0] off its channel (and may be running it)
+        # fork: the functions __main__ had when it was forked (it has them too), held weakly
+        self.main_functions: dict[str, weakref.ref[Any]] | None = None
 
 
 class Dispatcher:
@@ -471,6 +499,7 @@ class Dispatcher:
 
     def _start_worker(self) -> _Worker:
         slot = next(self._slots)
+        main_functions = _main_functions() if self.start_method == "fork" else None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             args = (
@@ -496,6 +525,8 @@ class Dispatcher:
             child_end.close()
         parent_end.setblocking(False)
         worker = _Worker(slot, proc, parent_end, self.max_tasks)
+        if self.start_method == "fork":
+            worker.main_functions = main_functions
         self._workers[slot] = worker
         self._watcher.add(worker.exit_fd, ("exit", worker))
         self._watcher.add(parent_end.fileno(), ("chan", worker))
@@ -677,7 +708,7 @@ class Dispatcher:
         if known is not None and known() is job.fn:
             worker.known.move_to_end(key)
         else:
-            fn = job.fn
+            fn = _main_name(worker, job.fn)
             if known is None and len(worker.known) >= _FUNCTIONS_KEPT:
                 forget = next(iter(worker.known))
         try:
@@ -689,7 +720,7 @@ class Dispatcher:
             if forget is not None:
                 del worker.known[forget]
             try:
-                worker.known[key] = weakref.ref(fn)
+                worker.known[key] = weakref.ref(job.fn)
             except TypeError:  # no weak references to it: sent with every task
                 worker.known.pop(key, None)
         return message

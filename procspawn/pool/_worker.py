@@ -4,6 +4,8 @@ Each worker has a channel of its own (a socketpair with the parent); nothing is 
 between workers, so a worker's death can leave nothing half-written. Messages::
 
     parent -> worker   (fn key, fn or None, fn key to forget or None, kind, payload)
+                       (fn may be (MAIN, name): __main__'s function of that name, which a
+                       forked worker has as its parent had it)
                        None: exit now (the pool is closing)
     worker -> parent   ("R",)                        ready: the initializer ran
                        ("s",)                        a task arrived and starts now
@@ -35,6 +37,7 @@ from ..sharing import _pickler
 from ..sharing._fdpass import ChannelClosed, MessageReader, recv_message, send_message
 
 APPLY, MAP, STARMAP = 0, 1, 2
+MAIN = "__main__"  # (MAIN, name): the function is __main__'s ``name`` (a forked worker has it)
 _STARTED = pickle.dumps(("s",), pickle.HIGHEST_PROTOCOL)
 _EXIT = pickle.dumps(None, pickle.HIGHEST_PROTOCOL)  # what the parent sends to say "exit"
 
@@ -56,9 +59,7 @@ def main(
         os.environ.clear()
         os.environ.update(environ)
     channel.settimeout(None)
-    if use_death_signal:
-        _posix.set_parent_death_signal()
-    _posix.watch_parent(parent_pid)
+    _posix.guard_parent(parent_pid, use_death_signal)
     # Ctrl-C is the parent's to handle: it stops the workers itself, quietly. A handler
     # (not SIG_IGN, which a program the task runs would inherit) keeps the signal away.
     signal.signal(signal.SIGINT, _ignore)
@@ -136,6 +137,8 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         if forget is not None:
             functions.pop(forget, None)
         if fn is not None:
+            if type(fn) is tuple:
+                fn = getattr(sys.modules[MAIN], fn[1], None)
             functions[key] = fn
         else:
             fn = functions.get(key)

@@ -110,3 +110,30 @@ def test_parallel_start_gives_results_by_rank():
     assert mp.spawn(_parent_pid, nprocs=1, start_method="forkserver")  # server warm
     out = mp.spawn(_read_env, args=("PATH",), nprocs=9, start_method="forkserver")
     assert [rank for _, rank in out] == [str(r) for r in range(9)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("parent_uses_numpy", [False, True])
+def test_the_server_imports_numpy_only_for_a_parent_that_did(parent_uses_numpy):
+    """NumPy is most of a cold server's start: a program that never imported it does not
+    wait for it (its ranks import it if they need it); one that did has it preloaded."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        import procspawn
+        if {parent_uses_numpy}:
+            import numpy
+
+        def server(rank):
+            return os.getppid(), "numpy" in sys.modules
+
+        if __name__ == "__main__":
+            [(pid, in_rank)] = procspawn.spawn(server, nprocs=1, start_method="forkserver")
+            with open(f"/proc/{{pid}}/maps") as f:
+                mapped = "_multiarray_umath" in f.read()
+            print(mapped, in_rank)
+        """
+    )
+    result = run_stdin_script(code, timeout=80)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(parent_uses_numpy)] * 2

@@ -4,8 +4,9 @@ Under ``spawn`` every rank is a new interpreter that imports NumPy, cloudpickle 
 procspawn before it runs a line of ``fn``: most of a trivial rank's start-up. The stdlib's
 fork server imports only the main module. ``spawn(..., start_method="forkserver")`` uses a
 fork server of procspawn's own instead: started once per program, at its first use, with
-NumPy, cloudpickle and the modules a rank runs already imported (plus whatever the user
-names with ``set_forkserver_preload``), and reused by every later ``spawn``. A rank then
+the modules a rank runs and cloudpickle already imported, NumPy too when this process
+has imported it (plus whatever the user names with ``set_forkserver_preload``), and
+reused by every later ``spawn``. A rank then
 costs a fork and its own work.
 
 It is the stdlib's fork server program (``multiprocessing.forkserver.main``), run as a
@@ -21,41 +22,53 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from multiprocessing import forkserver, popen_forkserver, util
 from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 from ._popen import pickle_for_child
 
-# What a rank imports to run: loaded once, in the server.
+# What every child imports to run: loaded once, in the server.
 PRELOAD = [
-    "numpy",
-    "cloudpickle",
+    "cloudpickle",  # a function of the main script travels by value
     "procspawn.context._worker",
     "procspawn.context._progress",
     "procspawn.sharing._startup",
-    "procspawn.sharing._reductions",
-    "procspawn.sharing._arrays",
     "procspawn.sharing._file_descriptor",
     "procspawn.sharing._file_system",
 ]
+# Loaded in the server only when this process has imported the first module when the
+# server starts: a program that uses NumPy has its children use it too, and one that does
+# not spares the server importing it (~80 ms of a cold start, more than all the rest).
+PRELOAD_IF_IMPORTED = {
+    "numpy": ["numpy", "procspawn.sharing._reductions", "procspawn.sharing._arrays"],
+}
 
 _user_preload: list[str] = []
 _server = forkserver.ForkServer()
-_server.set_forkserver_preload(PRELOAD)
+
+
+def _preload() -> list[str]:
+    """The server's preload list if it started now."""
+    wanted = list(PRELOAD)
+    for module, modules in PRELOAD_IF_IMPORTED.items():
+        if module in sys.modules:
+            wanted += modules
+    return wanted + [m for m in _user_preload if m not in wanted]
 
 
 def set_forkserver_preload(modules: list[str]) -> None:
     """Import ``modules`` in the fork servers once, so ranks do not: procspawn's (used by
-    ``spawn(..., start_method="forkserver")``, on top of NumPy, cloudpickle and procspawn)
-    and the stdlib's (``multiprocessing.set_forkserver_preload``, for the drop-in
+    ``spawn(..., start_method="forkserver")``, on top of procspawn, cloudpickle and, when this
+    process has imported it, NumPy) and the stdlib's
+    (``multiprocessing.set_forkserver_preload``, for the drop-in
     ``get_context("forkserver")``). Takes effect when a server starts: call it before the
     first forkserver start. A module that fails to import there is skipped (the ranks
     import it themselves)."""
     if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
         raise TypeError(f"set_forkserver_preload takes a list of module names, got {modules!r}")
     _user_preload[:] = list(modules)
-    _server.set_forkserver_preload(PRELOAD + [m for m in modules if m not in PRELOAD])
     multiprocessing.set_forkserver_preload(list(modules))
 
 
@@ -64,11 +77,18 @@ def preload_also(modules: list[str]) -> None:
     server too if it has not started yet."""
     global PRELOAD
     PRELOAD = PRELOAD + [m for m in modules if m not in PRELOAD]
-    _server.set_forkserver_preload(PRELOAD + [m for m in _user_preload if m not in PRELOAD])
+
+
+def _connect(fds: list[int]) -> tuple[int, int]:
+    """``connect_to_new_process`` of our server, started (with today's preload list)
+    first if it is not running."""
+    _server.set_forkserver_preload(_preload())  # read only when the server (re)starts
+    return _server.connect_to_new_process(fds)
 
 
 def ensure_running() -> None:
     """Start the server now (it starts by itself at the first forkserver spawn)."""
+    _server.set_forkserver_preload(_preload())
     _server.ensure_running()
 
 
@@ -78,7 +98,7 @@ class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj: Any) -> None:
         buf = pickle_for_child(self, process_obj)
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
-        self.sentinel, w = _server.connect_to_new_process(passed)  # starts it if need be
+        self.sentinel, w = _connect(passed)  # starts it if need be
         # a duplicate of the data pipe's write end: the child's sentinel of this process
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(

@@ -449,3 +449,51 @@ def test_large_copies_split_in_two_threads_are_exact(make):
     assert np.array_equal(received, source)
     for end in q:
         end.close()
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping that starts at or contains ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(None, 1)[0]
+            if "-" in first and not first.endswith(":"):
+                start, end = (int(x, 16) for x in first.split("-"))
+                inside = start <= address < end
+            elif inside and first == "Rss:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _kernel() -> tuple[int, ...]:
+    return tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+
+
+@pytest.mark.skipif(_kernel() < (5, 14), reason="MADV_POPULATE_WRITE came in Linux 5.14")
+def test_populate_faults_in_a_new_segment_in_one_call():
+    from procspawn.sharing import _strategy
+    from procspawn.sharing._segment import populate
+
+    segment = _strategy.allocate(4 << 20)
+    assert _resident_kib(segment.address) == 0  # nothing touched yet
+    populate(segment.address, segment.size)
+    assert _resident_kib(segment.address) >= 4 << 10
+
+
+def test_a_send_faults_in_only_a_new_segment_before_copying(recycling, monkeypatch):
+    """A copy into a new segment faults its pages in first (one madvise); a recycled
+    segment's pages are in place, so its copy does not ask again."""
+    from procspawn.sharing import _ndarray
+
+    calls = []
+    monkeypatch.setattr(_ndarray, "populate", lambda address, length: calls.append(length))
+    array = np.arange(1 << 19, dtype=np.float64)  # 4 MiB
+    ends = mp.Pipe()
+    try:
+        for _ in range(4):
+            ends[1].send(array)
+            assert np.array_equal(ends[0].recv(), array)  # dropped: its segment comes back
+    finally:
+        for end in ends:
+            end.close()
+    assert calls == [array.nbytes]

@@ -4,7 +4,7 @@ Run::
 
     python benchmarks/bench_pool.py [--repeats N] [--quick] [--json out.json]
                                     [--start-method {fork,spawn,forkserver}]
-                                    [--only {all,startup,tiny,fresh,result,kill}]
+                                    [--only {all,startup,tiny,fresh,result,result-warm,kill}]
 
 Pools, 2 workers each, each used as its README shows (skipped with a note when it does
 not import; the stdlib ones always run):
@@ -49,6 +49,11 @@ turn, run by run); the table gives the median. Cases, one row per library:
   message (``chunksize=1``, joblib ``batch_size=1``);
 * ``8 MiB result per task (ms/task)`` -- 32 tasks each returning a new
   ``np.ones(1 << 20)`` (mpire with ``concatenate_numpy_output=False``); shapes checked;
+  every result is new memory for every library (procspawn: new shared segments, whose
+  pages the kernel allocates as the copy fills them);
+* ``8 MiB result per task, second map (ms/task)`` -- the same map timed a second time on
+  the same pool, the first map's results dropped in between: what a pool that has run a
+  while costs (procspawn's workers copy into the segments the first results used);
 * ``killed worker reported after (s)`` -- a map over 8 tasks (20 ms each) where one
   writes ``time.time()`` to a file and SIGKILLs its own worker; the time from that stamp
   to the exception in the caller. A child that has not finished within 20 s is killed
@@ -128,6 +133,7 @@ CASES = {
     "tiny": "20,000 tiny tasks x+1 (µs/task)",
     "fresh": "fresh 4 MiB array per task (ms/task)",
     "result": "8 MiB result per task (ms/task)",
+    "result-warm": "8 MiB result per task, second map (ms/task)",
     "kill": "killed worker reported after (s)",
 }
 FORMATS = {
@@ -135,6 +141,7 @@ FORMATS = {
     "tiny": "{:.2f}",
     "fresh": "{:.3f}",
     "result": "{:.3f}",
+    "result-warm": "{:.3f}",
     "kill": "{:.3f}",
 }
 
@@ -451,18 +458,20 @@ def measure_fresh(runner: Runner, n: int) -> float:
     return elapsed / n * 1e3
 
 
-def measure_result(runner: Runner, n: int) -> float:
-    """Milliseconds per task of a map of ``make_ones`` (8 MiB results) over range(n)."""
+def measure_result(runner: Runner, n: int, rounds: int = 1) -> float:
+    """Milliseconds per task of a map of ``make_ones`` (8 MiB results) over range(n): the
+    last of ``rounds`` maps on one pool, the results of each dropped before the next."""
     runner.open()
     try:
         warm_up(runner)
-        start = time.perf_counter()
-        arrays = runner.map(make_ones, range(n), 1)
-        elapsed = time.perf_counter() - start
-        check(len(arrays) == n, f"{len(arrays)} results for {n} tasks")
-        for arr in arrays:
-            check(arr.shape == (RESULT_ITEMS,) and arr[-1] == 1.0, f"a result {arr.shape}")
-        del arrays
+        for _ in range(rounds):
+            start = time.perf_counter()
+            arrays = runner.map(make_ones, range(n), 1)
+            elapsed = time.perf_counter() - start
+            check(len(arrays) == n, f"{len(arrays)} results for {n} tasks")
+            for arr in arrays:
+                check(arr.shape == (RESULT_ITEMS,) and arr[-1] == 1.0, f"a result {arr.shape}")
+            del arrays, arr
     finally:
         runner.close()
     return elapsed / n * 1e3
@@ -505,6 +514,8 @@ def child_main(args: argparse.Namespace) -> None:
             value = measure_fresh(runner, sizes.fresh)
         elif case == "result":
             value = measure_result(runner, sizes.result)
+        elif case == "result-warm":
+            value = measure_result(runner, sizes.result, rounds=2)
         else:
             measure_kill(runner)
             return

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from _helpers import (
+    leave_grandchild,
     big_result,
     identity,
     nested,
@@ -185,3 +186,57 @@ def test_ranks_started_from_a_thread_outlive_the_thread(start_method):
     thread.join()
     assert box["ctx"].join(timeout=60) is True
     assert box["ctx"].results == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_terminate_from_another_thread_during_join_is_not_a_failure(start_method):
+    ctx = mp.spawn(sleep_then_return, args=(30,), nprocs=2, join=False, start_method=start_method)
+    outcome = []
+
+    def joiner():
+        try:
+            outcome.append(ctx.join(timeout=40))
+        except BaseException as exc:  # what the test is about: no ProcessExitedException
+            outcome.append(exc)
+
+    thread = threading.Thread(target=joiner)
+    thread.start()
+    time.sleep(0.3)  # the joiner is waiting
+    ctx.terminate(grace_period=5)
+    thread.join(20)
+    assert not thread.is_alive()
+    assert outcome == [True]
+    assert ctx.results == [None, None]
+    assert all(p.exitcode is not None for p in ctx.processes)
+    assert ctx.join() is True  # and later joins too
+
+
+def _kill_listed(pid_file, nprocs):
+    import os
+    import signal
+
+    for rank in range(nprocs):
+        try:
+            with open(f"{pid_file}.{rank}") as f:
+                os.kill(int(f.read()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_grandchild_holding_a_ranks_pipes_does_not_hold_up_join(tmp_path, start_method, code):
+    """A rank's exit is seen by its pidfd, not by EOF on pipes a grandchild it forked
+    still holds (the grandchild sleeps 60 s: the suite's timeout would catch a wait)."""
+    pid_file = str(tmp_path / "grandchild")
+    began = time.monotonic()
+    try:
+        if code:
+            with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
+                mp.spawn(leave_grandchild, args=(pid_file, code), nprocs=2, start_method=start_method)
+        else:
+            out = mp.spawn(leave_grandchild, args=(pid_file, 0), nprocs=2, start_method=start_method)
+            assert out == [0, 1]
+        assert time.monotonic() - began < 30  # not the grandchild's 60 s
+    finally:
+        _kill_listed(pid_file, 2)

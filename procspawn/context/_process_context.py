@@ -1,7 +1,8 @@
 """ProcessContext: watch every rank at once, collect results, stop everything on a failure.
 
-The parent waits on two things per rank at the same time: the process sentinel (it exited)
-and the rank's result channel (a message arrived). Channels are read while waiting, so a
+The parent waits on two things per rank at the same time, in one ``Watcher`` (the pools'
+too): the rank's exit handle (its pidfd: it exited) and its result channel (a message
+arrived). Channels are read while waiting, so a
 rank sending a large return value never blocks on a full socket buffer, and an error
 message surfaces the moment it is sent, whatever the rank.
 """
@@ -10,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import signal
 import socket
 import threading
 import time
 import weakref
 from collections.abc import Iterator
-from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -32,7 +33,7 @@ from ._errors import (
     unpickled_cause,
 )
 from ._progress import Progress
-from ._watch import default_grace_period, describe_exit, last_words, stop
+from ._watch import Watcher, default_grace_period, describe_exit, exit_handle, last_words, stop
 
 __all__ = ["ProcessContext", "default_grace_period"]
 
@@ -72,12 +73,32 @@ class ProcessContext:
         self._results: list[Any] = [_MISSING] * len(processes)
         self._exited = [False] * len(processes)
         self._output = output
+        # every rank's exit handle and channel, watched together by join()
+        self._watcher = Watcher()
+        self._exit_fds: list[int] = []
+        owned: list[int] = []
+        try:
+            for rank, proc in enumerate(processes):
+                fd, own = exit_handle(proc)
+                if own:
+                    owned.append(fd)
+                self._exit_fds.append(fd)
+                self._watcher.add(fd, ("exit", rank))
+                self._watcher.add(self._readers[rank].sock.fileno(), ("msg", rank))
+        except BaseException:
+            _close_watcher(self._watcher, owned)
+            raise
         # keepalive: the spawn payload, whose shared segments the ranks map
-        self._release = weakref.finalize(self, _release, self._readers, output, progress, keepalive)
+        self._release = weakref.finalize(
+            self, _release, self._readers, output, progress, keepalive, self._watcher, owned
+        )
         self._grace_period = grace_period
         self._started = time.monotonic()
         self._error: ProcessException | None = None
         self._closed = False
+        self._terminating = False  # terminate() runs (maybe in another thread than join())
+        self._lock = threading.RLock()  # join()'s handling of news against terminate()
+        self._done = threading.Event()  # set once closed
 
     def pids(self) -> list[int]:
         """The process ids, by rank."""
@@ -115,6 +136,9 @@ class ProcessContext:
         ``join()`` calls return True. Does nothing once the context is closed."""
         if self._closed:
             return
+        with self._lock:  # a join() in another thread is between two waits
+            self._terminating = True  # its ranks' deaths are not failures: it stops
+        self._watcher.wake()
         self._stop_all(self._grace(grace_period))
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
@@ -148,13 +172,13 @@ class ProcessContext:
         with _first_sigint_raises():
             try:
                 while True:
-                    waiting: dict[Any, tuple[str, int]] = {}
-                    for rank, proc in enumerate(self.processes):
-                        if not self._exited[rank]:
-                            waiting[proc.sentinel] = ("exit", rank)
-                        if self._results[rank] is _MISSING and not self._readers[rank].eof:
-                            waiting[self._readers[rank].sock.fileno()] = ("msg", rank)
-                    if not waiting:
+                    if self._terminating or self._closed:  # terminate() in another thread
+                        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                        return self._done.wait(left)
+                    if all(self._exited) and all(
+                        r is not _MISSING or reader.eof
+                        for r, reader in zip(self._results, self._readers)
+                    ):
                         self._close()
                         return True
                     remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -163,17 +187,19 @@ class ProcessContext:
                         remaining = (
                             _PROGRESS_TICK if remaining is None else min(remaining, _PROGRESS_TICK)
                         )
-                    ready = wait(list(waiting), remaining)
-                    if not ready and deadline is not None and time.monotonic() >= deadline:
-                        return False
-                    # Messages first: an error message explains the exit that follows it.
-                    ready.sort(key=lambda obj: waiting[obj][0] != "msg")
-                    for obj in ready:
-                        kind, rank = waiting[obj]
-                        if kind == "msg":
-                            self._read(rank)
-                        else:
-                            self._on_exit(rank)
+                    ready = self._watcher.wait(remaining)
+                    with self._lock:
+                        if self._terminating or self._closed:
+                            continue
+                        if not ready and deadline is not None and time.monotonic() >= deadline:
+                            return False
+                        # Messages first: an error message explains the exit that follows it.
+                        ready.sort(key=lambda item: item[0][0] != "msg")
+                        for (kind, rank), _readable, _writable in ready:
+                            if kind == "msg":
+                                self._read(rank)
+                            else:
+                                self._on_exit(rank)
             except ProcessException as exc:
                 self._fail(exc, grace_period)
                 raise
@@ -236,8 +262,16 @@ class ProcessContext:
     # -- reading results -------------------------------------------------------------------
 
     def _read(self, rank: int) -> None:
-        """Read what is there (non-blocking) and handle a finished message."""
+        """Read what is there (non-blocking) and handle a finished message; a channel that
+        has given its message or reached its end is not watched any more."""
         reader = self._readers[rank]
+        try:
+            self._read_channel(rank, reader)
+        finally:
+            if reader.eof or self._results[rank] is not _MISSING:
+                self._watcher.remove(reader.sock.fileno())
+
+    def _read_channel(self, rank: int, reader: MessageReader) -> None:
         reader.sock.setblocking(False)
         try:
             while True:
@@ -288,6 +322,7 @@ class ProcessContext:
         proc = self.processes[rank]
         proc.join()
         self._exited[rank] = True
+        self._watcher.remove(self._exit_fds[rank])
         if self._results[rank] is _MISSING and not self._readers[rank].eof:
             self._read(rank)  # the whole message is in the socket buffer by now
         code = proc.exitcode
@@ -342,6 +377,7 @@ class ProcessContext:
             p.join()
         self._closed = True
         self._release()
+        self._done.set()
 
 
 def _close_reader(reader: MessageReader) -> None:
@@ -349,14 +385,28 @@ def _close_reader(reader: MessageReader) -> None:
     reader.sock.close()
 
 
+def _close_watcher(watcher: Watcher, owned: list[int]) -> None:
+    """Close the watcher (waking a join() blocked in it in another thread) and the exit
+    handles that are ours (pidfds)."""
+    watcher.wake()
+    watcher.close()
+    for fd in owned:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    owned.clear()
+
+
 def _release(
     readers: list[MessageReader],
     output: OutputForwarder | None,
     progress: Progress | None,
     keepalive: Any,
+    watcher: Watcher,
+    owned: list[int],
 ) -> None:
     """What a context holds besides its processes. Run by ``_close``, or by the garbage
     collector for a context dropped unclosed (ranks joined by hand, say)."""
+    _close_watcher(watcher, owned)
     for reader in readers:
         _close_reader(reader)
     if progress is not None:

@@ -117,6 +117,9 @@ class Watcher:
 
     ``add(fd, key, write=False)`` watches a descriptor; ``wait(timeout)`` returns the
     ``(key, readable, writable)`` of those ready; ``wake()`` (any thread) ends a wait.
+    ``close()`` from another thread than a waiting one wakes it, and the waiter closes
+    the descriptors as it leaves (never one that a thread is blocked on); a wait after
+    ``close()`` returns nothing at once.
     """
 
     def __init__(self) -> None:
@@ -124,6 +127,10 @@ class Watcher:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._woken = False
+        self._state = threading.Lock()
+        self._waiters: set[int] = set()  # threads in wait()
+        self._closed = False  # close() was called
+        self._gone = False  # its descriptors are closed
 
     def add(self, fd: int, key: Any, write: bool = False) -> None:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if write else 0)
@@ -142,11 +149,29 @@ class Watcher:
         """End the current or next ``wait()`` (call it after making the news visible)."""
         if self._woken:
             return
-        self._woken = True
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"x")
+        with self._state:  # never a write to a closed (maybe reused) descriptor number
+            if self._woken or self._gone:
+                return
+            self._woken = True
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"x")
 
     def wait(self, timeout: float | None) -> list[tuple[Any, bool, bool]]:
+        me = threading.get_ident()
+        try:
+            with self._state:
+                if self._closed:
+                    return []
+                self._waiters.add(me)
+            return self._wait(timeout)
+        finally:  # (a set, not a count: a KeyboardInterrupt anywhere leaves it right)
+            with self._state:
+                self._waiters.discard(me)
+                last = self._closed and not self._waiters
+            if last:
+                self._close_now()
+
+    def _wait(self, timeout: float | None) -> list[tuple[Any, bool, bool]]:
         ready = []
         for selkey, events in self._selector.select(timeout):
             if selkey.data is None:
@@ -168,6 +193,21 @@ class Watcher:
         return ready
 
     def close(self) -> None:
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            if self._waiters:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")  # the waiter closes it all as it leaves
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
+        with self._state:
+            if self._gone:
+                return
+            self._gone = True
         self._selector.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):

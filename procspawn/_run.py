@@ -23,7 +23,9 @@ No rank outlives the launcher, on three layers:
 * Every exit path of ``run()`` (an exception included) kills and reaps what still runs.
 * SIGINT, SIGTERM and SIGCHLD are blocked in the launcher and taken with ``sigtimedwait``:
   they never interrupt the launcher half-way through starting or stopping a rank, and the
-  signal's origin (a terminal, or kill()) is known.
+  signal's origin (a terminal, or kill()) is known. (This is why the launcher does not
+  wait in ``context._watch.Watcher`` as ``spawn`` and the pools do: an epoll cannot say
+  who sent a signal. It shares the rest: the grace period, how an exit is described.)
 * If the launcher itself dies abruptly (SIGKILL, a crash), the kernel kills each rank:
   a rank starts as a tiny trampoline, ``python -c <set PR_SET_PDEATHSIG=SIGKILL, unblock
   signals> && exec python script args``. The parent-death signal survives ``execve``, so
@@ -58,7 +60,7 @@ from typing import NoReturn
 
 from ._output import OutputForwarder
 from .context._errors import signal_name
-from .context._watch import default_grace_period
+from .context._watch import default_grace_period, describe_exit
 
 __all__ = ["run"]
 
@@ -491,7 +493,7 @@ class _Launcher:
         p = self.ranks[rank]
         code = p.returncode
         if code < 0:
-            how = f"was terminated by signal {signal_name(-code)}"
+            how, _ = describe_exit(code)  # with the OOM killer's hint for a SIGKILL
             status = 128 - code
         else:
             how = f"failed: exit code {code}"

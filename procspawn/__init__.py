@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
         InitializerError,
         Pool,
         ProcessPoolExecutor,
+        TaskTimeoutError,
         TerminatedWorkerError,
         get_reusable_executor,
     )
@@ -66,6 +67,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "InitializerError": (".pool", "InitializerError"),
     "Pool": (".pool", "Pool"),
     "ProcessPoolExecutor": (".pool", "ProcessPoolExecutor"),
+    "TaskTimeoutError": (".pool", "TaskTimeoutError"),
     "TerminatedWorkerError": (".pool", "TerminatedWorkerError"),
     "get_reusable_executor": (".pool", "get_reusable_executor"),
     "pool": (".pool", None),
@@ -91,6 +93,7 @@ __all__ = [
     "Progress",
     "Queue",
     "SimpleQueue",
+    "TaskTimeoutError",
     "TerminatedWorkerError",
     "__version__",
     "context",

@@ -60,7 +60,7 @@ from typing import NoReturn
 
 from ._output import OutputForwarder
 from .context._errors import signal_name
-from .context._watch import default_grace_period, describe_exit
+from .context._watch import default_grace_period, describe_exit, oom_kills
 
 __all__ = ["run"]
 
@@ -345,6 +345,7 @@ class _Launcher:
     def __init__(self, options: _Options) -> None:
         self.opts = options
         self.ranks: list[subprocess.Popen[bytes]] = []
+        self._oom_kills: int | None = None  # the kernel's count as the ranks started
         self.signals = {signal.SIGTERM, signal.SIGCHLD}
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup, `cmd &`
             self.signals.add(signal.SIGINT)
@@ -403,6 +404,7 @@ class _Launcher:
 
     def _start(self, output: OutputForwarder) -> None:
         argv, env = self._argv(), self._env()
+        self._oom_kills = oom_kills()
         for rank in range(self.opts.nprocs):
             env.update(RANK=str(rank), LOCAL_RANK=str(rank))
             out = output.pipe(rank, "stdout")
@@ -493,7 +495,8 @@ class _Launcher:
         p = self.ranks[rank]
         code = p.returncode
         if code < 0:
-            how, _ = describe_exit(code)  # with the OOM killer's hint for a SIGKILL
+            # for a SIGKILL: whether the kernel's out-of-memory killer did it
+            how, _ = describe_exit(code, pid=p.pid, oom_kills_before=self._oom_kills)
             status = 128 - code
         else:
             how = f"failed: exit code {code}"

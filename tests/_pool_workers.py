@@ -113,3 +113,43 @@ def record_pid_and_sleep(path, seconds):
         f.write(str(os.getpid()))
     time.sleep(seconds)
     return seconds
+
+
+def die_once(flag_path, x):
+    """Kill this worker the first time any worker runs it (the flag file says so); then
+    return x * x: a task a retry saves."""
+    try:
+        fd = os.open(flag_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return x * x
+    os.close(fd)
+    die("sigkill")
+
+
+def sleep_then_pid(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+_hoard = []
+
+
+def grow_then_pid(nbytes):
+    """Keep ``nbytes`` more resident in this worker (touched), return the pid."""
+    block = bytearray(nbytes)
+    block[::4096] = b"x" * len(block[::4096])
+    _hoard.append(block)
+    return os.getpid()
+
+
+def eat_memory_in_cgroup(procs_file, nbytes):
+    """Join the memory cgroup whose ``cgroup.procs`` is ``procs_file``, then touch
+    ``nbytes`` of memory: more than the cgroup allows, so its OOM killer kills us."""
+    with open(procs_file, "w") as f:
+        f.write(str(os.getpid()))
+    blocks = []
+    for _ in range(nbytes >> 20):
+        block = bytearray(1 << 20)
+        block[::4096] = b"x" * len(block[::4096])
+        blocks.append(block)
+    return len(blocks)

@@ -9,9 +9,9 @@ import time
 
 import pytest
 from _helpers import (
-    leave_grandchild,
     big_result,
     identity,
+    leave_grandchild,
     nested,
     pipe_writer,
     queue_and_event,
@@ -233,9 +233,13 @@ def test_a_grandchild_holding_a_ranks_pipes_does_not_hold_up_join(tmp_path, star
     try:
         if code:
             with pytest.raises(mp.ProcessExitedException, match="exit code 3"):
-                mp.spawn(leave_grandchild, args=(pid_file, code), nprocs=2, start_method=start_method)
+                mp.spawn(
+                    leave_grandchild, args=(pid_file, code), nprocs=2, start_method=start_method
+                )
         else:
-            out = mp.spawn(leave_grandchild, args=(pid_file, 0), nprocs=2, start_method=start_method)
+            out = mp.spawn(
+                leave_grandchild, args=(pid_file, 0), nprocs=2, start_method=start_method
+            )
             assert out == [0, 1]
         assert time.monotonic() - began < 30  # not the grandchild's 60 s
     finally:

@@ -33,7 +33,15 @@ from ._errors import (
     unpickled_cause,
 )
 from ._progress import Progress
-from ._watch import Watcher, default_grace_period, describe_exit, exit_handle, last_words, stop
+from ._watch import (
+    Watcher,
+    default_grace_period,
+    describe_exit,
+    exit_handle,
+    last_words,
+    oom_kills,
+    stop,
+)
 
 __all__ = ["ProcessContext", "default_grace_period"]
 
@@ -94,6 +102,7 @@ class ProcessContext:
         )
         self._grace_period = grace_period
         self._started = time.monotonic()
+        self._oom_kills = oom_kills()  # the kernel's count as the ranks started
         self._error: ProcessException | None = None
         self._closed = False
         self._terminating = False  # terminate() runs (maybe in another thread than join())
@@ -177,7 +186,7 @@ class ProcessContext:
                         return self._done.wait(left)
                     if all(self._exited) and all(
                         r is not _MISSING or reader.eof
-                        for r, reader in zip(self._results, self._readers)
+                        for r, reader in zip(self._results, self._readers, strict=True)
                     ):
                         self._close()
                         return True
@@ -333,7 +342,7 @@ class ProcessContext:
             self._results[rank] = None  # sys.exit(0) / sys.exit(None): a clean exit
             return
         pid: int = proc.pid  # type: ignore[assignment]
-        how, name = describe_exit(code)
+        how, name = describe_exit(code, pid=pid, oom_kills_before=self._oom_kills)
         raise ProcessExitedException(
             f"process {rank} (pid {pid}) {how}" + self._last_words(rank), rank, pid, code, name
         )

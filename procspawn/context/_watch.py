@@ -14,6 +14,7 @@ a grandchild still holds the pipes it inherited); nothing polls.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import selectors
 import signal
@@ -69,16 +70,87 @@ def default_grace_period() -> float:
     return grace
 
 
-def describe_exit(code: int, killed_on_purpose: bool = False) -> tuple[str, str | None]:
+def describe_exit(
+    code: int,
+    killed_on_purpose: bool = False,
+    *,
+    pid: int | None = None,
+    oom_kills_before: int | None = None,
+) -> tuple[str, str | None]:
     """How a child ended, as words for an error message, and its signal's name (or None):
-    ``("was terminated by signal SIGKILL (...)", "SIGKILL")``."""
+    ``("was terminated by signal SIGKILL (...)", "SIGKILL")``. For a SIGKILL nobody in
+    procspawn sent, ``pid`` and ``oom_kills_before`` (``oom_kills()`` when the child
+    started) let it say whether the kernel's out-of-memory killer did it."""
     if code < 0:
         name = signal_name(-code)
         text = f"was terminated by signal {name}"
         if -code == signal.SIGKILL and not killed_on_purpose:
-            text += OOM_HINT
+            text += sigkill_cause(pid, oom_kills_before)
         return text, name
     return f"exited with exit code {code}", None
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed since boot, on the
+    whole machine (``oom_kill`` in /proc/vmstat, Linux >= 4.13), or None."""
+    try:
+        with open("/proc/vmstat", "rb") as f:
+            for line in f:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def sigkill_cause(pid: int | None, oom_kills_before: int | None) -> str:
+    """Who killed ``pid`` with SIGKILL, as far as the kernel says: its log when this
+    process may read it, else whether its count of out-of-memory kills moved."""
+    if pid is not None and _kernel_log_names_oom_kill(pid):
+        return (
+            " (the kernel's out-of-memory killer: the kernel log says it killed pid "
+            f"{pid}; the process needed more memory than the machine or its cgroup has)"
+        )
+    now = oom_kills()
+    if oom_kills_before is None or now is None:
+        return OOM_HINT
+    if now > oom_kills_before:
+        return (
+            f" (most likely the kernel's out-of-memory killer: it killed {now - oom_kills_before} "
+            f"process(es) on this machine meanwhile, /proc/vmstat oom_kill; `dmesg` names them)"
+        )
+    return (
+        " (not the kernel's out-of-memory killer, whose count of kills did not move: "
+        "another process sent SIGKILL)"
+    )
+
+
+def _kernel_log_names_oom_kill(pid: int) -> bool:
+    """Whether the kernel log (``/dev/kmsg``, where readable) records an out-of-memory
+    kill of ``pid``."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    marks = (f"Killed process {pid} (".encode(), f",pid={pid},".encode())
+    try:
+        for _ in range(100_000):  # the ring buffer's records, one per read
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                return False  # the end
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:
+                    continue  # a record overwritten while we read: go on
+                return False
+            if not record:
+                return False
+            if b"oom" in record.lower() or b"Killed process" in record:
+                if any(mark in record for mark in marks):
+                    return True
+        return False
+    finally:
+        os.close(fd)
 
 
 def last_words(output: OutputForwarder | None, key: int, drain: float) -> str:

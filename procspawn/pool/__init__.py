@@ -12,7 +12,8 @@ Levels (each module says its own in its first line), each importing only those b
     4  _executor: ProcessPoolExecutor (it takes _pool's start-method reading)
     3  _pool: Pool and its results
     2  _dispatcher: hands out tasks, reads results, watches and replaces workers
-    1  _worker: the loop a worker runs;  _errors: TerminatedWorkerError, InitializerError
+    1  _worker: the loop a worker runs;  _errors: TerminatedWorkerError, InitializerError,
+                                           TaskTimeoutError
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._errors import InitializerError, TerminatedWorkerError
-    from ._executor import ProcessPoolExecutor
+    from ._errors import InitializerError, TaskTimeoutError, TerminatedWorkerError
+    from ._executor import Future, ProcessPoolExecutor
     from ._pool import Pool
     from ._reusable import get_reusable_executor
 
 _LAZY = {
+    "Future": "._executor",
     "InitializerError": "._errors",
     "Pool": "._pool",
     "ProcessPoolExecutor": "._executor",
+    "TaskTimeoutError": "._errors",
     "TerminatedWorkerError": "._errors",
     "get_reusable_executor": "._reusable",
 }

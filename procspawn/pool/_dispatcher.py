@@ -48,6 +48,7 @@ from ..context._watch import (
     describe_exit,
     exit_handle,
     last_words,
+    oom_kills,
     send_signal,
     sigint_held,
     stop,
@@ -64,7 +65,7 @@ from ..sharing._fdpass import (
 from ..sharing._message import Message
 from ..sharing._startup import StartupMessage
 from . import _worker
-from ._errors import InitializerError, TerminatedWorkerError
+from ._errors import InitializerError, TaskTimeoutError, TerminatedWorkerError
 
 preload_also(["procspawn.pool._worker"])  # a worker forked by the fork server has it
 
@@ -79,13 +80,14 @@ RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
 class Task:
     """One message's worth of work: a call, or a chunk of a map."""
 
-    __slots__ = ("job", "index", "kind", "payload")
+    __slots__ = ("job", "index", "kind", "payload", "deaths")
 
     def __init__(self, job: Job, index: int, kind: int, payload: Any) -> None:
         self.job = job
         self.index = index
         self.kind = kind
         self.payload = payload
+        self.deaths = 0  # workers that died running it (it is retried up to ``retries``)
 
 
 class Job:
@@ -112,6 +114,9 @@ class Job:
         """A short repr of the call a task makes, for error messages."""
         return describe_call(self.fn, task.kind, task.payload)
 
+    def describe_fn(self) -> str:
+        return getattr(self.fn, "__qualname__", None) or repr(self.fn)
+
 
 def _main_functions() -> dict[str, weakref.ref[Any]]:
     """The functions ``__main__`` has now, by name, held weakly: a worker forked next has
@@ -131,9 +136,10 @@ def _main_name(worker: _Worker, fn: Any) -> Any:
     another object), else ``fn`` itself (pickled by value if it must be)."""
     known = worker.main_functions
     if known and type(fn) is types.FunctionType and fn.__module__ == "__main__":
-        ref = known.get(fn.__qualname__)
+        name: str = getattr(fn, "__qualname__", "")
+        ref = known.get(name)
         if ref is not None and ref() is fn:
-            return (_worker.MAIN, fn.__qualname__)
+            return (_worker.MAIN, name)
     return fn
 
 
@@ -178,6 +184,9 @@ class _Worker:
         "pid",
         "running",
         "main_functions",
+        "deadline",
+        "verdict",
+        "oom_kills",
     )
 
     def __init__(self, slot: int, proc: BaseProcess, sock: socket.socket, budget: int | None):
@@ -199,6 +208,11 @@ class _Worker:
         self.running = False  # it took tasks[0] off its channel (and may be running it)
         # fork: the functions __main__ had when it was forked (it has them too), held weakly
         self.main_functions: dict[str, weakref.ref[Any]] | None = None
+        self.deadline: float | None = None  # task_timeout: when its running task is late
+        # (task, error): procspawn stops it on purpose because of its running task (a
+        # timeout, kill()); that task fails with the error unless it answered first
+        self.verdict: tuple[Task, BaseException] | None = None
+        self.oom_kills = oom_kills()  # the kernel's count as it started (see describe_exit)
 
 
 class Dispatcher:
@@ -213,6 +227,13 @@ class Dispatcher:
             ``concurrent.futures`` does); otherwise only the dead worker's task fails.
         lazy: start workers as work comes (up to ``processes``), not all at once.
         idle_timeout: a worker idle this long exits; started again when work comes.
+        task_timeout: a task (a call, or a map chunk) running longer than this many
+            seconds has its worker killed and replaced, and fails with TaskTimeoutError.
+        retries: a task whose worker died while running it runs again, up to this many
+            times, then fails with that death's error; with ``retries`` the deaths do not
+            break a ``break_on_death`` pool.
+        max_memory: bytes; a worker whose resident memory is above it after a task
+            exits (once its queued task is done) and a new one takes its place.
         name: for thread and process names.
     """
 
@@ -227,9 +248,15 @@ class Dispatcher:
         break_on_death: bool = False,
         lazy: bool = False,
         idle_timeout: float | None = None,
+        task_timeout: float | None = None,
+        retries: int = 0,
+        max_memory: int | None = None,
         name: str = "pool",
     ) -> None:
         self.size = processes
+        self.task_timeout = task_timeout
+        self.retries = retries
+        self.max_memory = max_memory
         self.lazy = lazy or idle_timeout is not None
         self.start_method = start_method
         self.max_tasks = max_tasks
@@ -329,6 +356,18 @@ class Dispatcher:
                 for worker in list(self._workers.values()):
                     if worker.tasks and worker.tasks[0].job is job:
                         self._stop_worker(worker, "its task was abandoned", self._grace)
+
+        self.request(act)
+
+    def kill(self, which: Callable[[Task], bool], error: BaseException) -> None:
+        """Kill the worker running a task ``which`` picks (soon, in the dispatcher
+        thread): the task fails with ``error`` unless its answer came first; a new worker
+        takes its place. A task not running yet is left alone."""
+
+        def act() -> None:
+            for worker in list(self._workers.values()):
+                if worker.running and worker.tasks and which(worker.tasks[0]):
+                    self._doom(worker, error)
 
         self.request(act)
 
@@ -462,6 +501,7 @@ class Dispatcher:
     def _timeout(self) -> float | None:
         now = time.monotonic()
         times = [w.kill_at for w in self._workers.values() if w.kill_at is not None]
+        times += [w.deadline for w in self._workers.values() if w.deadline is not None]
         if self.idle_timeout is not None:
             times += [
                 w.idle_since + self.idle_timeout
@@ -478,6 +518,8 @@ class Dispatcher:
             if worker.kill_at is not None and now >= worker.kill_at:
                 send_signal(worker.proc, signal.SIGKILL)
                 worker.kill_at = None
+            elif worker.deadline is not None and now >= worker.deadline and worker.tasks:
+                self._doom(worker, self._timeout_error(worker))
             elif (
                 self.idle_timeout is not None
                 and not worker.tasks
@@ -580,6 +622,33 @@ class Dispatcher:
         worker.stopping = why
         send_signal(worker.proc, signal.SIGTERM)
         worker.kill_at = time.monotonic() + grace
+
+    def _doom(self, worker: _Worker, error: BaseException) -> None:
+        """Kill ``worker`` now because of the task it runs (SIGKILL: a task past its time
+        or killed by the caller is not asked to finish); that task fails with ``error``
+        when the death is seen, the others it held run elsewhere, and a new worker starts
+        at once."""
+        worker.deadline = None
+        if worker.verdict is not None or not worker.tasks:
+            return
+        task = worker.tasks[0]
+        worker.verdict = (task, error)
+        why = "its task timed out" if isinstance(error, TaskTimeoutError) else "its task was killed"
+        _log.debug("killing pool worker pid %s: %s", worker.pid, why)
+        worker.stopping = why
+        worker.kill_at = None
+        send_signal(worker.proc, signal.SIGKILL)
+        self._fill()
+
+    def _timeout_error(self, worker: _Worker) -> TaskTimeoutError:
+        task = worker.tasks[0]
+        return TaskTimeoutError(
+            f"{task.job.describe(task)} ran longer than the pool's task_timeout of "
+            f"{self.task_timeout:g} s; its worker (pid {worker.pid}) was killed and a new "
+            f"one took its place",
+            self.task_timeout,  # type: ignore[arg-type]
+            worker.pid,
+        )
 
     def _stop_all(self, grace: float) -> None:
         procs = [w.proc for w in self._workers.values()]
@@ -787,21 +856,23 @@ class Dispatcher:
             if not worker.tasks:
                 return
             task = worker.tasks.popleft()
-            worker.running = False
+            self._answered(worker)
             _settle(task, False, _unpickling_error(task, worker, exc))
             self._done_with(worker)
             return
         tag = message[0]
         if tag == "s":
             worker.running = True
+            if self.task_timeout is not None and not worker.stopping:
+                worker.deadline = time.monotonic() + self.task_timeout
         elif tag == "r":
             task = worker.tasks.popleft()
-            worker.running = False
+            self._answered(worker)
             _settle(task, True, message[1])
             self._done_with(worker)
         elif tag == "e":
             task = worker.tasks.popleft()
-            worker.running = False
+            self._answered(worker)
             _settle(task, False, remote_error(message[1], message[2], self.break_on_death))
             self._done_with(worker)
         elif tag == "R":
@@ -815,6 +886,26 @@ class Dispatcher:
             )
             error.__cause__ = message[1]
             self._break(error)
+
+    def _answered(self, worker: _Worker) -> None:
+        """``worker`` answered its running task: not running, no deadline; too big now
+        (``max_memory``): it retires (after the task it may already have) and a new one
+        takes its place."""
+        worker.running = False
+        worker.deadline = None
+        if worker.verdict is not None and (
+            not worker.tasks or worker.tasks[0] is not worker.verdict[0]
+        ):
+            worker.verdict = None  # the doomed task answered first: nothing to blame
+        if self.max_memory is not None and not worker.stopping:
+            rss = _resident_bytes(worker.pid)
+            if rss > self.max_memory:
+                self._retire(
+                    worker,
+                    f"its resident memory, {rss} bytes, is above max_memory_per_child "
+                    f"({self.max_memory} bytes)",
+                )
+                self._fill()
 
     def _done_with(self, worker: _Worker) -> None:
         """A worker answered a task: give it the next one now, before the other answers
@@ -864,9 +955,25 @@ class Dispatcher:
         )
         self._forget_worker(worker)
         if expected or retired:
+            verdict = worker.verdict
+            if running is not None and verdict is not None and verdict[0] is running:
+                _settle(running, False, verdict[1])  # timed out, or killed by the caller
             # stopped on purpose: a task it was running belonged to an abandoned job
-            if running is not None and not running.job.abandoned:
+            elif running is not None and not running.job.abandoned:
                 tasks.insert(0, running)
+            self._requeue(tasks)
+            self._fill()
+            return
+        if running is not None and running.deaths < self.retries:
+            running.deaths += 1
+            _log.debug(
+                "pool worker pid %s died running %s; running it again (retry %d of %d)",
+                worker.pid,
+                running.job.describe(running),
+                running.deaths,
+                self.retries,
+            )
+            tasks.insert(0, running)
             self._requeue(tasks)
             self._fill()
             return
@@ -882,7 +989,7 @@ class Dispatcher:
                 self._requeue(tasks)
                 self._break(broken)
                 return
-        if self.break_on_death:
+        if self.break_on_death and not self.retries:
             if running is not None:
                 tasks.insert(0, running)
             self._requeue(tasks)
@@ -900,7 +1007,7 @@ class Dispatcher:
             self._pending.extendleft(reversed(tasks))
 
     def _death_error(self, worker: _Worker, code: int, task: Task | None) -> ProcessExitedException:
-        how, name = describe_exit(code)
+        how, name = describe_exit(code, pid=worker.pid, oom_kills_before=worker.oom_kills)
         if task is not None:
             when = f" while running {task.job.describe(task)}"
         elif worker.ready:
@@ -908,6 +1015,11 @@ class Dispatcher:
         else:
             when = " while starting, before it ran any task"
         msg = f"pool worker (pid {worker.pid}) {how}{when}"
+        if task is not None and task.deaths:
+            msg += (
+                f"; the task ran {task.deaths + 1} times (retries={self.retries}) and every "
+                f"worker that ran it died"
+            )
         words = last_words(self._output, worker.slot, _OUTPUT_DRAIN)
         msg += words
         if not worker.ready and not words and self.start_method != "fork":
@@ -928,6 +1040,42 @@ class Dispatcher:
             error.exit_code,
             error.signal_name,
         )
+
+
+def check_options(task_timeout: Any, retries: Any, max_memory_per_child: Any) -> None:
+    """Refuse bad values of the options procspawn's pools add, in the caller."""
+    if task_timeout is not None and (
+        isinstance(task_timeout, bool)
+        or not isinstance(task_timeout, (int, float))
+        or not task_timeout > 0
+    ):
+        raise ValueError(
+            f"task_timeout must be a number of seconds > 0 (or None: no limit), got "
+            f"{task_timeout!r}"
+        )
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+    if max_memory_per_child is not None and (
+        isinstance(max_memory_per_child, bool)
+        or not isinstance(max_memory_per_child, int)
+        or max_memory_per_child <= 0
+    ):
+        raise ValueError(
+            f"max_memory_per_child must be a number of bytes (an int > 0, e.g. 2 << 30 for "
+            f"2 GiB) or None, got {max_memory_per_child!r}"
+        )
+
+
+def _resident_bytes(pid: int) -> int:
+    """A process' resident memory (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _settle(task: Task, ok: bool, value: Any) -> None:

@@ -46,4 +46,23 @@ class InitializerError(BrokenProcessPool):
     """
 
 
-__all__ = ["InitializerError", "TerminatedWorkerError"]
+class TaskTimeoutError(TimeoutError):
+    """A pool task ran longer than the pool's ``task_timeout``: its worker was killed
+    (SIGKILL) and a new one took its place; the other tasks went on.
+
+    ``timeout`` is the limit in seconds, ``pid`` the killed worker's; the message names
+    the call and its arguments (short reprs). A ``TimeoutError`` (the builtin, which is
+    also ``concurrent.futures.TimeoutError``), not ``multiprocessing.TimeoutError``,
+    which ``AsyncResult.get(timeout)`` raises when the caller stops waiting.
+    """
+
+    def __init__(self, msg: str, timeout: float, pid: int) -> None:
+        super().__init__(msg)
+        self.timeout = timeout
+        self.pid = pid
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.timeout, self.pid))
+
+
+__all__ = ["InitializerError", "TaskTimeoutError", "TerminatedWorkerError"]

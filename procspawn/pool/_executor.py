@@ -12,6 +12,7 @@ workers. Workers start as work comes, up to ``max_workers``.
 from __future__ import annotations
 
 import concurrent.futures as _cf
+import functools
 import itertools
 import multiprocessing
 import os
@@ -22,8 +23,34 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import _worker
-from ._dispatcher import Dispatcher, Job, Task
+from ._dispatcher import Dispatcher, Job, Task, check_options
 from ._pool import start_method_of
+
+
+class Future(_cf.Future):
+    """A ``concurrent.futures.Future`` that can also stop a call that runs: ``kill()``.
+
+    ``cancel()`` keeps its meaning (it succeeds only before the call starts)."""
+
+    _procspawn_kill: Callable[[], None] | None = None
+
+    def kill(self) -> bool:
+        """Stop this call now, whatever its state but done.
+
+        Not started yet: cancelled, as ``cancel()`` does. Running: its worker is killed
+        (SIGKILL) and a new one takes its place; the future fails with
+        ``concurrent.futures.CancelledError`` (``result()`` raises it at once after the
+        worker's death is seen, within milliseconds), unless the call's result arrived
+        first. The executor goes on. Returns False if the call had already finished."""
+        if self.cancel():
+            return True
+        if self.done():
+            return False
+        kill = self._procspawn_kill
+        if kill is None:
+            return False
+        kill()
+        return True
 
 
 class _CallJob(Job):
@@ -32,7 +59,7 @@ class _CallJob(Job):
         self.future = future
 
     def start(self, task: Task) -> bool:
-        return self.future.set_running_or_notify_cancel()
+        return _start(self.future)
 
     def cancel(self, task: Task) -> None:
         self.future.cancel()
@@ -49,13 +76,19 @@ class _ChunksJob(Job):
         self.futures = futures
 
     def start(self, task: Task) -> bool:
-        return self.futures[task.index].set_running_or_notify_cancel()
+        return _start(self.futures[task.index])
 
     def cancel(self, task: Task) -> None:
         self.futures[task.index].cancel()
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
         _set(self.futures[task.index], ok, value)
+
+
+def _start(future: _cf.Future) -> bool:
+    """Mark it running, unless it was cancelled (False); a task handed out again (its
+    worker died, or stopped before it ran it) is running already."""
+    return future.running() or future.set_running_or_notify_cancel()
 
 
 def _set(future: _cf.Future, ok: bool, value: Any) -> None:
@@ -82,6 +115,17 @@ class ProcessPoolExecutor(_cf.Executor):
         initargs: its arguments.
         max_tasks_per_child: a worker exits after this many calls and a new one takes
             its place (allowed with every start method).
+        task_timeout: seconds a call (one ``submit``, or one chunk of ``map``) may run;
+            one running longer has its worker killed and replaced, and its future fails
+            with ``procspawn.TaskTimeoutError``. The executor goes on. None: no limit.
+        retries: a call whose worker dies while running it runs again, up to this many
+            times, then fails with that death's ``ProcessExitedException``; with
+            ``retries`` >= 1 no death breaks the executor. Default 0: a death breaks it,
+            as the stdlib's (``TerminatedWorkerError``).
+        max_memory_per_child: bytes; a worker whose resident memory is above it after a
+            call is replaced before its next one. None: no limit.
+
+    ``submit`` returns a ``procspawn.pool.Future``, whose ``kill()`` stops a running call.
     """
 
     def __init__(
@@ -92,6 +136,9 @@ class ProcessPoolExecutor(_cf.Executor):
         initargs: Iterable[Any] = (),
         *,
         max_tasks_per_child: int | None = None,
+        task_timeout: float | None = None,
+        retries: int = 0,
+        max_memory_per_child: int | None = None,
         _idle_timeout: float | None = None,
     ) -> None:
         if max_workers is None:
@@ -105,6 +152,7 @@ class ProcessPoolExecutor(_cf.Executor):
                 raise TypeError("max_tasks_per_child must be an integer")
             if max_tasks_per_child <= 0:
                 raise ValueError("max_tasks_per_child must be >= 1")
+        check_options(task_timeout, retries, max_memory_per_child)
         method = start_method_of(mp_context)
         self._max_workers = max_workers
         self._mp_context = multiprocessing.get_context(method)  # what the stdlib's keeps
@@ -121,6 +169,9 @@ class ProcessPoolExecutor(_cf.Executor):
             # dispatcher thread's process later would fork a threaded process)
             lazy=method != "fork",
             idle_timeout=_idle_timeout,
+            task_timeout=task_timeout,
+            retries=retries,
+            max_memory=max_memory_per_child,
             name="executor",
         )
         # an executor dropped without shutdown() finishes its work, then its workers exit
@@ -137,7 +188,7 @@ class ProcessPoolExecutor(_cf.Executor):
         broken = self._dispatcher.broken
         return False if broken is None else str(broken)
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> _cf.Future:
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Run ``fn(*args, **kwargs)`` in a worker; returns a Future.
 
         Raises:
@@ -147,10 +198,17 @@ class ProcessPoolExecutor(_cf.Executor):
         """
         with self._shutdown_lock:
             self._check_open()
-            future: _cf.Future = _cf.Future()
+            future = Future()
             job = _CallJob(fn, future)
+            future._procspawn_kill = functools.partial(self._kill, job)
             self._dispatcher.submit([Task(job, 0, _worker.APPLY, (args, kwargs))])
         return future
+
+    def _kill(self, job: Job) -> None:
+        self._dispatcher.kill(
+            lambda task: task.job is job,
+            _cf.CancelledError(f"{job.describe_fn()} was killed while it ran (Future.kill())"),
+        )
 
     def _check_open(self) -> None:
         if self._dispatcher.broken is not None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..context._start_method import get_start_method
 from . import _worker
-from ._dispatcher import Dispatcher, Job, Task
+from ._dispatcher import Dispatcher, Job, Task, check_options
 
 _FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
 
@@ -299,6 +299,14 @@ class Pool:
             a new one takes its place; None: workers live as long as the pool.
         context: a multiprocessing context, or a start method name, whose start method
             the workers use (default: ``procspawn.get_start_method()``, "forkserver").
+        task_timeout: seconds a task (one ``apply``, or one chunk of a map) may run; a
+            task running longer has its worker killed and replaced, and fails with
+            ``procspawn.TaskTimeoutError`` (the other tasks go on). None: no limit.
+        retries: a task whose worker dies while running it (a signal, ``os._exit``, a
+            segfault, the OOM killer) runs again, up to this many times; then it fails
+            with the last death's ``ProcessExitedException``. Default 0.
+        max_memory_per_child: bytes; a worker whose resident memory is above it after a
+            task is replaced before its next one. None: no limit.
 
     A worker that dies while it runs a task fails that task (``get()`` or the
     ``map``/``imap`` containing it raises ``procspawn.ProcessExitedException``, naming
@@ -313,6 +321,10 @@ class Pool:
         initargs: Iterable[Any] = (),
         maxtasksperchild: int | None = None,
         context: Any = None,
+        *,
+        task_timeout: float | None = None,
+        retries: int = 0,
+        max_memory_per_child: int | None = None,
     ) -> None:
         self._state = "INIT"
         if processes is None:
@@ -327,6 +339,7 @@ class Pool:
             raise ValueError("maxtasksperchild must be a positive int or None")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
+        check_options(task_timeout, retries, max_memory_per_child)
         self._processes = processes
         self._dispatcher = Dispatcher(
             processes,
@@ -334,6 +347,9 @@ class Pool:
             initializer=initializer,
             initargs=initargs,
             max_tasks=maxtasksperchild,
+            task_timeout=task_timeout,
+            retries=retries,
+            max_memory=max_memory_per_child,
             name="pool",
         )
         self._state = "RUN"

@@ -29,6 +29,9 @@ def get_reusable_executor(
     initializer: Callable[..., Any] | None = None,
     initargs: Iterable[Any] = (),
     max_tasks_per_child: int | None = None,
+    task_timeout: float | None = None,
+    retries: int = 0,
+    max_memory_per_child: int | None = None,
     kill_workers: bool = False,
 ) -> ProcessPoolExecutor:
     """The program's reusable ``ProcessPoolExecutor``, made or adjusted as asked.
@@ -38,9 +41,10 @@ def get_reusable_executor(
             number than last time resizes the executor in place.
         timeout: seconds a worker may stay idle before it exits (it starts again when
             work comes).
-        mp_context, initializer, initargs, max_tasks_per_child: as for
-            ``ProcessPoolExecutor``. Other values than last time make a new executor; the
-            old one finishes the calls it was given and takes no more.
+        mp_context, initializer, initargs, max_tasks_per_child, task_timeout, retries,
+            max_memory_per_child: as for ``ProcessPoolExecutor``. Other values than last
+            time make a new executor; the old one finishes the calls it was given and
+            takes no more.
         kill_workers: with other settings than last time, stop the old executor's
             workers now instead of letting them finish.
 
@@ -59,6 +63,9 @@ def get_reusable_executor(
         tuple(initargs),
         max_tasks_per_child,
         float(timeout),
+        task_timeout,
+        retries,
+        max_memory_per_child,
     )
     with _lock:
         executor = _executor
@@ -78,6 +85,9 @@ def get_reusable_executor(
             initializer,
             initargs,
             max_tasks_per_child=max_tasks_per_child,
+            task_timeout=task_timeout,
+            retries=retries,
+            max_memory_per_child=max_memory_per_child,
             _idle_timeout=float(timeout),
         )
         _settings = settings

@@ -106,8 +106,9 @@ def copy_to_segment(array: np.ndarray, for_send: bool = False) -> np.ndarray:
 # page as the copy first touches it), which two threads take in parallel: 64 MiB took 74 ms
 # with one thread and 48 ms with two here. Faulting them in first with one madvise per
 # thread (MADV_POPULATE_WRITE) saves the trap per page: an 8 MiB copy into a new memfd
-# took 9.0 ms faulting and 8.1 ms populated first, one thread, on this 2-core VM. A copy into pages already in place (a reused
-# recycled segment) is bound by memory bandwidth and gains nothing, but loses nothing either.
+# took 9.0 ms faulting and 8.1 ms populated first, one thread, on this 2-core VM. A copy
+# into pages already in place (a reused recycled segment) is bound by memory bandwidth
+# and gains nothing, but loses nothing either.
 # np.copyto releases the GIL for plain dtypes.
 SPLIT_BYTES = 8 << 20
 POPULATE_BYTES = 1 << 20

@@ -1,0 +1,243 @@
+"""What procspawn's pools add to the stdlib's: a per-task timeout, retries of tasks lost to
+a death, stopping a running call (``Future.kill()``), a memory guard.
+
+Each is checked under every start method, for ``Pool`` and ``ProcessPoolExecutor``: the
+right task fails (or is run again), the others finish, the pool goes on, and no worker
+is left over. Every wait has a deadline: a hang is a failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import time
+
+import pytest
+from _pool_workers import (
+    die,
+    die_once,
+    eat_memory_in_cgroup,
+    grow_then_pid,
+    pid_of,
+    sleep_then_pid,
+    slow_square,
+    square,
+)
+
+import procspawn as mp
+
+DEADLINE = 30.0
+pytestmark = pytest.mark.timeout(120)
+
+
+def _gone(pids, within=DEADLINE):
+    """Whether every pid has exited (and was reaped) within the deadline."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") for pid in pids):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(params=mp.get_all_start_methods())
+def method(request):
+    return request.param
+
+
+def test_the_options_are_checked_in_the_caller():
+    for make in (mp.Pool, mp.ProcessPoolExecutor):
+        with pytest.raises(ValueError, match="task_timeout must be a number of seconds > 0"):
+            make(1, task_timeout=0)
+        with pytest.raises(ValueError, match="retries must be an int >= 0"):
+            make(1, retries=-1)
+        with pytest.raises(ValueError, match=r"max_memory_per_child must be a number of bytes"):
+            make(1, max_memory_per_child="2G")
+
+
+def test_pool_task_timeout_fails_the_late_task_only(method):
+    with mp.Pool(2, context=method, task_timeout=1.0) as p:
+        p.map(square, range(4))  # both workers up: the limit is not spent on a start
+        late = p.apply_async(sleep_then_pid, (60,))
+        quick = p.map_async(slow_square, range(8), chunksize=1)
+        with pytest.raises(mp.TaskTimeoutError) as info:
+            late.get(DEADLINE)
+        assert quick.get(DEADLINE) == [x * x for x in range(8)]
+        err = info.value
+        assert isinstance(err, TimeoutError) and err.timeout == 1.0
+        assert "sleep_then_pid(60)" in str(err) and "task_timeout of 1 s" in str(err)
+        assert _gone([err.pid])
+        assert p.map(square, range(6)) == [x * x for x in range(6)]  # it goes on
+        workers = [w.pid for w in p._pool]
+        assert len(workers) == 2 and err.pid not in workers
+    assert _gone(workers)
+
+
+def test_executor_task_timeout_and_kill_leave_it_working(method):
+    with mp.ProcessPoolExecutor(2, mp_context=method, task_timeout=1.5) as ex:
+        assert ex.submit(square, 3).result(DEADLINE) == 9
+        late = ex.submit(sleep_then_pid, 60)
+        with pytest.raises(mp.TaskTimeoutError, match="sleep_then_pid"):
+            late.result(DEADLINE)
+        # kill(): a running call fails with CancelledError, its worker is replaced
+        running = ex.submit(sleep_then_pid, 60)
+        deadline = time.monotonic() + DEADLINE
+        while not running.running():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)  # taken off its channel by the worker
+        pids_before = set(ex._processes)
+        assert running.kill() is True
+        with pytest.raises(cf.CancelledError, match="sleep_then_pid was killed"):
+            running.result(DEADLINE)
+        assert not running.cancelled()  # it had started: failed, not cancelled
+        done = ex.submit(square, 5)
+        assert done.result(DEADLINE) == 25
+        assert done.kill() is False  # finished already
+        assert not ex._broken
+        assert [f.result(DEADLINE) for f in [ex.submit(square, i) for i in range(6)]] == [
+            i * i for i in range(6)
+        ]
+        workers = set(ex._processes)
+        assert pids_before - workers  # the killed one is gone, a new one came
+    assert _gone(workers | pids_before)
+
+
+def test_kill_of_a_call_not_started_cancels_it():
+    with mp.ProcessPoolExecutor(1, mp_context="fork") as ex:
+        busy = ex.submit(sleep_then_pid, 1.0)
+        queued = [ex.submit(square, i) for i in range(4)]
+        assert queued[-1].kill() is True
+        assert queued[-1].cancelled()
+        assert isinstance(busy.result(DEADLINE), int)
+        assert [f.result(DEADLINE) for f in queued[:-1]] == [0, 1, 4]
+
+
+@pytest.mark.parametrize("make", ["pool", "executor"])
+def test_retries_save_a_task_a_death_lost_and_give_up_on_a_poison_task(method, make, tmp_path):
+    flag = str(tmp_path / "died")
+    if make == "pool":
+        ex = mp.Pool(2, context=method, retries=2)
+        run = lambda fn, *args: ex.apply_async(fn, args).get(DEADLINE)  # noqa: E731
+    else:
+        ex = mp.ProcessPoolExecutor(2, mp_context=method, retries=2)
+        run = lambda fn, *args: ex.submit(fn, *args).result(DEADLINE)  # noqa: E731
+    try:
+        assert run(die_once, flag, 7) == 49  # its first worker died; the retry ran it
+        assert os.path.exists(flag)
+        started = time.monotonic()
+        with pytest.raises(mp.ProcessExitedException) as info:
+            run(die, "sigkill")  # kills every worker it meets
+        err = info.value
+        assert err.signal_name == "SIGKILL"
+        assert "the task ran 3 times (retries=2)" in str(err)
+        assert "die('sigkill')" in str(err)
+        assert time.monotonic() - started < DEADLINE
+        if make == "executor":
+            assert not isinstance(err, cf.process.BrokenProcessPool)
+            assert not ex._broken
+        assert run(square, 4) == 16  # it goes on
+        assert run(pid_of) > 0
+    finally:
+        if make == "pool":
+            ex.terminate()
+            ex.join()
+        else:
+            ex.shutdown(wait=True)
+
+
+def test_a_worker_past_max_memory_is_replaced_between_tasks(method, caplog, monkeypatch):
+    from procspawn import _log
+
+    monkeypatch.setattr(_log, "ENABLED", True)  # as PROCSPAWN_DEBUG=1 does
+    limit = 150 << 20
+    with caplog.at_level(logging.DEBUG, logger="procspawn"):
+        with mp.Pool(1, context=method, max_memory_per_child=limit) as p:
+            first = p.apply(pid_of)
+            assert p.apply(pid_of) == first  # small: it stays
+            assert p.apply(grow_then_pid, (200 << 20,)) == first  # grows past the limit
+            second = p.apply(pid_of)
+            assert second != first  # replaced before its next task
+            assert _gone([first])
+            assert p.apply(pid_of) == second
+    assert any("max_memory_per_child" in r.getMessage() for r in caplog.records)
+    assert _gone([second])
+
+
+def test_the_executor_memory_guard(method):
+    with mp.ProcessPoolExecutor(1, mp_context=method, max_memory_per_child=150 << 20) as ex:
+        first = ex.submit(grow_then_pid, 200 << 20).result(DEADLINE)
+        assert ex.submit(pid_of).result(DEADLINE) != first
+        assert not ex._broken
+
+
+def _memory_cgroup(name: str, limit: int) -> str | None:
+    """A new memory cgroup limited to ``limit`` bytes, without swap (v2 or v1), or None
+    where this machine does not let us make one."""
+    v2 = "/sys/fs/cgroup"
+    try:
+        with open(os.path.join(v2, "cgroup.controllers")) as f:
+            has_v2_memory = "memory" in f.read().split()
+    except OSError:
+        has_v2_memory = False
+    candidates = (
+        [(os.path.join(v2, name), {"memory.max": limit, "memory.swap.max": 0})]
+        if has_v2_memory
+        else []
+    )
+    candidates.append(
+        (os.path.join(v2, "memory", name), {"memory.limit_in_bytes": limit, "memory.swappiness": 0})
+    )
+    for path, settings in candidates:
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            for key, value in settings.items():
+                if os.path.exists(os.path.join(path, key)):
+                    with open(os.path.join(path, key), "w") as f:
+                        f.write(str(value))
+            return path
+        except OSError:
+            os.rmdir(path)
+    return None
+
+
+@pytest.mark.parametrize("make", ["pool", "executor"])
+def test_an_oom_kill_is_reported_as_such(make):
+    cgroup = _memory_cgroup(f"procspawn-test-{os.getpid()}", 64 << 20)
+    if cgroup is None:
+        pytest.skip("this machine does not let the tests make a memory cgroup")
+    procs = os.path.join(cgroup, "cgroup.procs")
+    try:
+        if make == "pool":
+            with mp.Pool(1, context="fork") as p:
+                with pytest.raises(mp.ProcessExitedException) as info:
+                    p.apply_async(eat_memory_in_cgroup, (procs, 512 << 20)).get(DEADLINE)
+                assert p.apply(square, (3,)) == 9
+        else:
+            with mp.ProcessPoolExecutor(1, mp_context="fork") as ex:
+                with pytest.raises(mp.TerminatedWorkerError) as info:
+                    ex.submit(eat_memory_in_cgroup, procs, 512 << 20).result(DEADLINE)
+        err = info.value
+        assert err.signal_name == "SIGKILL"
+        assert "out-of-memory killer" in str(err) and "not the kernel's" not in str(err)
+        assert "eat_memory_in_cgroup(" in str(err)
+    finally:
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            try:
+                os.rmdir(cgroup)
+                break
+            except OSError:  # the killed worker is still being torn down
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+
+def test_a_sigkill_from_another_process_is_not_blamed_on_the_oom_killer():
+    with mp.Pool(1, context="fork") as p:
+        with pytest.raises(mp.ProcessExitedException) as info:
+            p.apply_async(die, ("sigkill",)).get(DEADLINE)
+    assert "not the kernel's out-of-memory killer" in str(info.value)

@@ -12,7 +12,7 @@ from _helpers import ROOT, script_env
 
 EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
 # example -> the optional module it needs (the `examples` extra installs them)
-NEEDS = {"hogwild.py": "sklearn", "pool_images.py": "sklearn"}
+NEEDS = {"hogwild.py": "sklearn", "pool_images.py": "sklearn", "pool_resilient.py": "sklearn"}
 
 
 @pytest.mark.timeout(150)
@@ -34,3 +34,9 @@ def test_example_runs(name):
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("test accuracy: "), last
         assert float(last.split(": ")[1]) >= 0.95, result.stdout
+    if name == "pool_resilient.py":  # the crashing chunk retried, the stuck one timed out
+        first = result.stdout.strip().splitlines()[-2]
+        assert first.startswith("7 of 8 chunks done (the one that crashed its worker: done, "), (
+            first
+        )
+        assert "skipped by the 2 s task_timeout: 1, at images [384]" in first, first

@@ -241,3 +241,38 @@ def test_a_sigkill_from_another_process_is_not_blamed_on_the_oom_killer():
         with pytest.raises(mp.ProcessExitedException) as info:
             p.apply_async(die, ("sigkill",)).get(DEADLINE)
     assert "not the kernel's out-of-memory killer" in str(info.value)
+
+
+def test_progress_counts_finished_items_of_every_kind_of_call(capfd):
+    bar = mp.Progress(show=True, use_tqdm=False, desc="items")
+    with mp.Pool(2, context="fork") as p:
+        assert p.map(slow_square, range(30), chunksize=4, progress=bar) == [
+            x * x for x in range(30)
+        ]
+        assert (bar.count, bar.total) == (30, 30)
+        assert "items: 30/30 (100.0%)" in capfd.readouterr().err
+        for call in (p.imap, p.imap_unordered):
+            shown = mp.Progress(show=False)
+            assert sorted(call(square, range(25), chunksize=3, progress=shown)) == sorted(
+                x * x for x in range(25)
+            )
+            assert (shown.count, shown.total) == (25, 25)
+        shown = mp.Progress(7, show=False)  # a total given is kept
+        assert p.starmap(pow, [(2, 3), (3, 2)], progress=shown) == [8, 9]
+        assert (shown.count, shown.total) == (2, 7)
+        assert p.map(square, [1, 2], progress=True) == [1, 4]  # stderr is not a terminal
+    with mp.ProcessPoolExecutor(2, mp_context="fork") as ex:
+        shown = mp.Progress(show=False)
+        assert list(ex.map(square, range(12), chunksize=5, progress=shown)) == [
+            x * x for x in range(12)
+        ]
+        assert (shown.count, shown.total) == (12, 12)
+
+
+def test_progress_counts_a_retried_task_once(tmp_path):
+    shown = mp.Progress(show=False)
+    flag = str(tmp_path / "died")
+    with mp.Pool(2, context="fork", retries=1) as p:
+        out = p.starmap(die_once, [(flag, x) for x in range(6)], chunksize=1, progress=shown)
+    assert out == [x * x for x in range(6)]
+    assert (shown.count, shown.total) == (6, 6)

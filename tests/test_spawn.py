@@ -224,7 +224,10 @@ def _kill_listed(pid_file, nprocs):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("code", [0, 3])
+@pytest.mark.parametrize(
+    "start_method, code",
+    [("fork", 0), ("fork", 3), ("spawn", 3), ("forkserver", 3)],  # (spawn's sentinel: fork's)
+)
 def test_a_grandchild_holding_a_ranks_pipes_does_not_hold_up_join(tmp_path, start_method, code):
     """A rank's exit is seen by its pidfd, not by EOF on pipes a grandchild it forked
     still holds (the grandchild sleeps 60 s: the suite's timeout would catch a wait)."""

@@ -99,6 +99,22 @@ class Progress:
         self._closed = False
         return self._counters
 
+    def _count_here(self, total: int | None = None) -> None:
+        """Count in this process instead (a pool call counts its finished tasks with
+        ``_add``, from one thread); ``total``, when known, unless one was given."""
+        self._counters = [0] * _SLOT
+        self._nprocs = 1
+        if self.total is None:
+            self.total = total
+        self._started = time.monotonic()
+        self._last_draw = 0.0
+        self._bar = None
+        self._plain_width = 0
+        self._closed = False
+
+    def _add(self, n: int) -> None:
+        self._counters[0] += n
+
     @property
     def counts(self) -> list[int]:
         """Steps reported so far, by rank."""
@@ -126,9 +142,13 @@ class Progress:
 
     def render(self, force: bool = False) -> None:
         """Redraw the display (at most once per interval unless ``force``)."""
-        if self._closed or self._counters is None or not self._visible():
+        if self._closed or self._counters is None:
             return
         now = time.monotonic()
+        if not force and now - self._last_draw < _INTERVAL_TTY:
+            return  # (cheap enough to call on every step)
+        if not self._visible():
+            return
         tty = self._is_tty()
         interval = _INTERVAL_TTY if tty else _INTERVAL_LOG
         if not force and now - self._last_draw < interval:
@@ -225,8 +245,8 @@ def _write(text: str) -> None:
 
 
 def as_progress(value: Any) -> Progress | None:
-    """spawn's ``progress=`` argument: None/False, True (no total), an int total, or a
-    ``Progress``."""
+    """The ``progress=`` argument of spawn and the pools: None/False, True (no total), an
+    int total, or a ``Progress``."""
     if value is None or value is False:
         return None
     if value is True:

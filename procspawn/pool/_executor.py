@@ -22,9 +22,12 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ..context._progress import Progress, as_progress
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 from ._pool import start_method_of
+
+_TICK = 0.1  # seconds between progress redraws while map's iterator waits
 
 
 class Future(_cf.Future):
@@ -71,9 +74,10 @@ class _CallJob(Job):
 class _ChunksJob(Job):
     """``map``: one future per chunk, the function sent once per worker."""
 
-    def __init__(self, fn: Any, futures: list[_cf.Future]) -> None:
+    def __init__(self, fn: Any, futures: list[_cf.Future], progress: Progress | None) -> None:
         super().__init__(fn)
         self.futures = futures
+        self.progress = progress
 
     def start(self, task: Task) -> bool:
         return _start(self.futures[task.index])
@@ -82,6 +86,8 @@ class _ChunksJob(Job):
         self.futures[task.index].cancel()
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
+        if ok and self.progress is not None:
+            self.progress._add(len(value))
         _set(self.futures[task.index], ok, value)
 
 
@@ -224,12 +230,16 @@ class ProcessPoolExecutor(_cf.Executor):
         *iterables: Iterable[Any],
         timeout: float | None = None,
         chunksize: int = 1,
+        progress: Any = None,
     ) -> Iterator[Any]:
         """``map(fn, *iterables)`` run in the workers, ``chunksize`` calls per message;
         the iterator raises TimeoutError if a result is not there ``timeout`` seconds
-        after this call, and what ``fn`` raised for an item when that item comes."""
+        after this call, and what ``fn`` raised for an item when that item comes.
+        ``progress`` (True, an int total or a ``procspawn.Progress``): a bar counting
+        finished calls, redrawn while the iterator waits."""
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
+        shown = as_progress(progress)
         end_time = None if timeout is None else timeout + time.monotonic()
         items = zip(*iterables, strict=False)
         chunks: list[list[tuple[Any, ...]]] = []
@@ -239,14 +249,16 @@ class ProcessPoolExecutor(_cf.Executor):
                 break
             chunks.append(chunk)
         futures: list[_cf.Future] = [_cf.Future() for _ in chunks]
+        if shown is not None:
+            shown._count_here(sum(len(chunk) for chunk in chunks))
         with self._shutdown_lock:
             self._check_open()
             if chunks:
-                job = _ChunksJob(fn, futures)
+                job = _ChunksJob(fn, futures, shown)
                 self._dispatcher.submit(
                     Task(job, n, _worker.STARMAP, chunk) for n, chunk in enumerate(chunks)
                 )
-        return _results(list(futures), end_time)
+        return _results(list(futures), end_time, shown)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Take no more calls; the workers exit once the calls given are done.
@@ -273,12 +285,16 @@ class ProcessPoolExecutor(_cf.Executor):
             self.shutdown(wait=True)
 
 
-def _results(futures: list[_cf.Future], end_time: float | None) -> Iterator[Any]:
+def _results(
+    futures: list[_cf.Future], end_time: float | None, progress: Progress | None = None
+) -> Iterator[Any]:
     """map's values in order; nothing of a value is held once it was yielded."""
     try:
         futures.reverse()
         while futures:
             future = futures[-1]
+            if progress is not None:
+                _wait_showing(future, end_time, progress)
             if end_time is None:
                 values = future.result()
             else:
@@ -291,6 +307,18 @@ def _results(futures: list[_cf.Future], end_time: float | None) -> Iterator[Any]
     finally:
         for future in futures:
             future.cancel()
+        if progress is not None:
+            progress.close()
+
+
+def _wait_showing(future: _cf.Future, end_time: float | None, progress: Progress) -> None:
+    """Wait for ``future`` (until ``end_time`` at most), redrawing ``progress``."""
+    while not future.done():
+        left = _TICK if end_time is None else min(_TICK, end_time - time.monotonic())
+        if left <= 0:
+            return
+        _cf.wait([future], left)
+        progress.render()
 
 
 __all__ = ["ProcessPoolExecutor"]

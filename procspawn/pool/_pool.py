@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import TimeoutError as _MpTimeoutError
 from typing import Any
 
+from ..context._progress import Progress, as_progress
 from ..context._start_method import get_start_method
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 
 _FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
+_TICK = 0.1  # seconds between progress redraws while a call waits
 
 
 def start_method_of(context: Any) -> str:
@@ -67,6 +69,7 @@ class ApplyResult:
         self._error_callback = error_callback
         self._success = False
         self._value: Any = None
+        self._progress: Progress | None = None  # shown while get() waits (a map's)
 
     def ready(self) -> bool:
         return self._event.is_set()
@@ -86,7 +89,10 @@ class ApplyResult:
             multiprocessing.TimeoutError: not ready within ``timeout`` seconds.
         """
         try:
-            self._event.wait(timeout)
+            if self._progress is None:
+                self._event.wait(timeout)
+            else:
+                self._wait_showing(self._progress, timeout)
         except KeyboardInterrupt:
             self._interrupted()
             raise
@@ -98,6 +104,22 @@ class ApplyResult:
 
     def _interrupted(self) -> None:
         pass
+
+    def _wait_showing(self, progress: Progress, timeout: float | None) -> None:
+        """Wait as ``get`` does, redrawing ``progress``; it is closed once the result is
+        there (or the wait is interrupted)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                left = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
+                if left <= 0 or self._event.wait(left):
+                    break
+                progress.render()
+        except BaseException:
+            progress.close()
+            raise
+        if self._event.is_set():
+            progress.close()
 
     def _finish(self, ok: bool, value: Any) -> None:
         self._success, self._value = ok, value
@@ -174,6 +196,8 @@ class _MapJob(Job):
             result._values = []
             result._finish(False, value)
             return
+        if result._progress is not None:
+            result._progress._add(len(value))
         start, _length = self.chunks[task.index]
         result._values[start : start + len(value)] = value
         result._left -= 1
@@ -195,12 +219,14 @@ class IMapIterator:
         self._input_error: BaseException | None = None
         self._settled = 0  # chunks whose outcome came (the feeder waits on it)
         self.job: Job | None = None
+        self._progress: Progress | None = None  # redrawn while next() waits
 
     def __iter__(self) -> IMapIterator:
         return self
 
     def next(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
+        progress = self._progress
         with self._cond:
             try:
                 while True:
@@ -221,10 +247,22 @@ class IMapIterator:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise _MpTimeoutError
-                    self._cond.wait(remaining)
+                    if progress is None:
+                        self._cond.wait(remaining)
+                    else:
+                        progress.render()
+                        self._cond.wait(_TICK if remaining is None else min(_TICK, remaining))
             except KeyboardInterrupt:
                 if self.job is not None:
                     self._dispatcher.abandon(self.job)
+                if progress is not None:
+                    progress.close()
+                raise
+            except _MpTimeoutError:
+                raise
+            except BaseException:  # the end (StopIteration), or a task's error
+                if progress is not None:
+                    progress.close()
                 raise
 
     __next__ = next
@@ -284,6 +322,9 @@ class _IMapJob(Job):
         self.iterator = iterator
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
+        progress = self.iterator._progress
+        if ok and progress is not None:
+            progress._add(len(value))
         self.iterator._put(task.index, ok, value)
 
 
@@ -400,19 +441,30 @@ class Pool:
         return result
 
     def map(
-        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int | None = None
+        self,
+        func: Callable[[Any], Any],
+        iterable: Iterable[Any],
+        chunksize: int | None = None,
+        *,
+        progress: Any = None,
     ):
-        """``list(map(func, iterable))``, run in the workers in chunks."""
-        return self._map_async(func, iterable, _worker.MAP, chunksize).get()
+        """``list(map(func, iterable))``, run in the workers in chunks.
+
+        ``progress``: True, an int total or a ``procspawn.Progress``: a bar counting
+        finished items while the call waits (its total: the number of items)."""
+        return self._map_async(func, iterable, _worker.MAP, chunksize, progress=progress).get()
 
     def starmap(
         self,
         func: Callable[..., Any],
         iterable: Iterable[Iterable[Any]],
         chunksize: int | None = None,
+        *,
+        progress: Any = None,
     ):
-        """``[func(*args) for args in iterable]``, run in the workers in chunks."""
-        return self._map_async(func, iterable, _worker.STARMAP, chunksize).get()
+        """``[func(*args) for args in iterable]``, run in the workers in chunks
+        (``progress`` as for ``map``)."""
+        return self._map_async(func, iterable, _worker.STARMAP, chunksize, progress=progress).get()
 
     def map_async(
         self,
@@ -421,8 +473,13 @@ class Pool:
         chunksize: int | None = None,
         callback: Callable[[Any], Any] | None = None,
         error_callback: Callable[[BaseException], Any] | None = None,
+        *,
+        progress: Any = None,
     ) -> MapResult:
-        return self._map_async(func, iterable, _worker.MAP, chunksize, callback, error_callback)
+        """``map`` returning at once; ``progress`` is shown while ``get()`` waits."""
+        return self._map_async(
+            func, iterable, _worker.MAP, chunksize, callback, error_callback, progress
+        )
 
     def starmap_async(
         self,
@@ -431,8 +488,12 @@ class Pool:
         chunksize: int | None = None,
         callback: Callable[[Any], Any] | None = None,
         error_callback: Callable[[BaseException], Any] | None = None,
+        *,
+        progress: Any = None,
     ) -> MapResult:
-        return self._map_async(func, iterable, _worker.STARMAP, chunksize, callback, error_callback)
+        return self._map_async(
+            func, iterable, _worker.STARMAP, chunksize, callback, error_callback, progress
+        )
 
     def _map_async(
         self,
@@ -442,8 +503,10 @@ class Pool:
         chunksize: int | None,
         callback: Any = None,
         error_callback: Any = None,
+        progress: Any = None,
     ) -> MapResult:
         self._check_running()
+        shown = as_progress(progress)
         items = iterable if isinstance(iterable, list) else list(iterable)
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
@@ -456,6 +519,9 @@ class Pool:
         if kind == _worker.STARMAP:
             items = [tuple(item) for item in items]
         result = MapResult(self._dispatcher, len(items), callback, error_callback)
+        if shown is not None:
+            shown._count_here(len(items))
+            result._progress = shown
         if not items:
             return result
         chunks = [(i, min(chunksize, len(items) - i)) for i in range(0, len(items), chunksize)]
@@ -467,22 +533,50 @@ class Pool:
         )
         return result
 
-    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1):
+    def imap(
+        self,
+        func: Callable[[Any], Any],
+        iterable: Iterable[Any],
+        chunksize: int = 1,
+        *,
+        progress: Any = None,
+    ):
         """Like ``map``, but returns an iterator of the results, in order, as they come;
-        the input is read as the workers need it."""
-        return self._imap(IMapIterator, func, iterable, chunksize)
+        the input is read as the workers need it. ``progress`` is redrawn while the
+        iterator waits (its total: ``len(iterable)`` when it has one)."""
+        return self._imap(IMapIterator, func, iterable, chunksize, progress)
 
     def imap_unordered(
-        self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1
+        self,
+        func: Callable[[Any], Any],
+        iterable: Iterable[Any],
+        chunksize: int = 1,
+        *,
+        progress: Any = None,
     ):
         """Like ``imap``, in the order the results come."""
-        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress)
 
-    def _imap(self, cls: type[IMapIterator], func: Any, iterable: Iterable[Any], chunksize: int):
+    def _imap(
+        self,
+        cls: type[IMapIterator],
+        func: Any,
+        iterable: Iterable[Any],
+        chunksize: int,
+        progress: Any = None,
+    ):
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        shown = as_progress(progress)
         it = cls(self._dispatcher)
+        if shown is not None:
+            try:
+                total: int | None = len(iterable)  # type: ignore[arg-type]
+            except TypeError:
+                total = None
+            shown._count_here(total)
+            it._progress = shown
         job = _IMapJob(func, it)
         it.job = job
         ahead = max(2, _FEED_AHEAD * self._processes)

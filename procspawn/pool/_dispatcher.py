@@ -271,6 +271,7 @@ class Dispatcher:
         self._workers: dict[int, _Worker] = {}
         self._slots = itertools.count()
         self._startup_failures = 0
+        self._init_failed: BaseException | None = None  # an initializer raised: breaking
         self._feeders = 0
         self._demand = 0  # lazy: how many workers the work so far asked for
         self._requests: list[Callable[[], None]] = []  # run by the dispatcher thread
@@ -581,6 +582,8 @@ class Dispatcher:
         """Start workers up to the pool's size (lazily when idle workers time out)."""
         if self.state not in (RUNNING, CLOSING) or self.broken is not None:
             return
+        if self._init_failed is not None:
+            return
         wanted = self.size
         if self.lazy:
             busy = len(self._pending) + sum(len(w.tasks) for w in self._workers.values())
@@ -715,6 +718,8 @@ class Dispatcher:
 
     def _hand_out(self) -> None:
         if self.broken is not None or self.state not in (RUNNING, CLOSING):
+            return
+        if self._init_failed is not None:
             return
         self._fill()
         if not self._pending:
@@ -885,7 +890,12 @@ class Dispatcher:
                 f"traceback:\n{message[2]}"
             )
             error.__cause__ = message[1]
-            self._break(error)
+            # The pool breaks once the worker has exited (as the stdlib's, which sees the
+            # death): a log record its initializer put in a Queue is flushed by then.
+            # Nothing more is started or handed out meanwhile; SIGKILL if it lingers.
+            self._init_failed = error
+            worker.stopping = "its initializer raised"
+            worker.kill_at = time.monotonic() + self._grace
 
     def _answered(self, worker: _Worker) -> None:
         """``worker`` answered its running task: not running, no deadline; too big now
@@ -940,6 +950,12 @@ class Dispatcher:
             proc.join()
             code = proc.exitcode
         assert code is not None
+        if self._init_failed is not None:  # reaped first: its Process holds descriptors
+            self._requeue(list(worker.tasks))
+            worker.tasks.clear()
+            self._forget_worker(worker)
+            self._break(self._init_failed)
+            return
         tasks = list(worker.tasks)
         worker.tasks.clear()
         # only the task it took off its channel can have killed it; the others never

@@ -165,6 +165,7 @@ def leak_check():
     yield
     deadline = time.monotonic() + _PATIENCE
     collected = False
+    pause = 0.005
     while True:
         if collected:  # a clean test (most) is not made to pay for a full collection
             gc.collect()
@@ -177,7 +178,8 @@ def leak_check():
             break
         if time.monotonic() > deadline:
             break
-        time.sleep(0.05)
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)  # most settle within a few milliseconds
     for pid in new_children:  # do not let one leak cascade into the next tests
         try:
             os.kill(pid, signal.SIGKILL)

@@ -9,7 +9,9 @@ For each start method (default: fork and forkserver), in this process, medians o
 
 * ``tiny, no option`` / ``tiny, options set`` -- µs per task of ``Pool(2).map(inc,
   range(20000))`` (default chunking), the pool made and warmed before the timer; the
-  second with ``task_timeout=60, retries=2, max_memory_per_child=8 GiB`` (none fires).
+  second with ``task_timeout=60, retries=2, max_memory_per_child=8 GiB`` (none fires);
+  ``tiny, progress=`` with ``progress=Progress(show=True, use_tqdm=False)`` (stderr
+  redirected: lines every 5 s) -- the counting and the redraw checks.
 * ``timeout -> error (ms)`` -- ``Pool(1, task_timeout=0.5)``: a task that sleeps 30 s;
   from its deadline (0.5 s after the worker took it, read from the clock at submit +
   the time the worker reported starting) to the caller's ``TaskTimeoutError``.
@@ -44,11 +46,12 @@ def stamp(_: int = 0) -> float:
     return time.time()
 
 
-def tiny(method: str, **options) -> float:
+def tiny(method: str, progress: bool = False, **options) -> float:
     with procspawn.Pool(2, context=method, **options) as pool:
         pool.map(inc, range(100))
+        shown = procspawn.Progress(show=True, use_tqdm=False) if progress else None
         start = time.perf_counter()
-        out = pool.map(inc, range(TINY))
+        out = pool.map(inc, range(TINY), progress=shown)
         elapsed = time.perf_counter() - start
     assert out[-1] == TINY
     return elapsed / TINY * 1e6
@@ -79,20 +82,21 @@ def main() -> None:
     opts = dict(task_timeout=60, retries=2, max_memory_per_child=8 << 30)
     print(
         "| start method | tiny, no option (µs/task) | tiny, options set (µs/task) | "
-        "timeout -> error (ms) | timeout -> replacement ready (ms) |"
+        "tiny, progress= (µs/task) | timeout -> error (ms) | timeout -> replacement ready (ms) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for method in args.start_method:
-        plain, set_, errors, ready = [], [], [], []
-        for _ in range(args.repeats):  # alternated, so drift hits both alike
+        plain, set_, shown, errors, ready = [], [], [], [], []
+        for _ in range(args.repeats):  # alternated, so drift hits them alike
             plain.append(tiny(method))
             set_.append(tiny(method, **opts))
+            shown.append(tiny(method, progress=True))
             e, r = timeout_case(method)
             errors.append(e)
             ready.append(r)
         med = statistics.median
         print(
-            f"| {method} | {med(plain):.3f} | {med(set_):.3f} "
+            f"| {method} | {med(plain):.3f} | {med(set_):.3f} | {med(shown):.3f} "
             f"| {med(errors):.1f} | {med(ready):.1f} |"
         )
 

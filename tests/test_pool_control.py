@@ -83,10 +83,9 @@ def test_executor_task_timeout_and_kill_leave_it_working(method):
         # kill(): a running call fails with CancelledError, its worker is replaced
         running = ex.submit(sleep_then_pid, 60)
         deadline = time.monotonic() + DEADLINE
-        while not running.running():
+        while not running.running():  # handed to a worker (which may not have started it)
             assert time.monotonic() < deadline
-            time.sleep(0.01)
-        time.sleep(0.2)  # taken off its channel by the worker
+            time.sleep(0.001)
         pids_before = set(ex._processes)
         assert running.kill() is True
         with pytest.raises(cf.CancelledError, match="sleep_then_pid was killed"):
@@ -276,3 +275,22 @@ def test_progress_counts_a_retried_task_once(tmp_path):
         out = p.starmap(die_once, [(flag, x) for x in range(6)], chunksize=1, progress=shown)
     assert out == [x * x for x in range(6)]
     assert (shown.count, shown.total) == (6, 6)
+
+
+def test_kill_of_a_call_queued_behind_another_fails_it_alone():
+    """A worker may hold a second call of the same function, queued behind the one it
+    runs: killing that one fails it at once and leaves the running call alone."""
+    with mp.ProcessPoolExecutor(1, mp_context="fork") as ex:
+        first = ex.submit(sleep_then_pid, 1.0)
+        second = ex.submit(sleep_then_pid, 1.0)
+        third = ex.submit(sleep_then_pid, 0.1)  # more waiting than workers: it prefetches
+        deadline = time.monotonic() + DEADLINE
+        while not (first.running() and second.running()):  # both handed to the worker
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert second.kill() is True
+        with pytest.raises(cf.CancelledError):
+            second.result(DEADLINE)
+        worker = first.result(DEADLINE)  # not killed: it finished on its worker
+        assert third.result(DEADLINE) == worker
+        assert ex.submit(pid_of).result(DEADLINE) == worker

@@ -361,14 +361,21 @@ class Dispatcher:
         self.request(act)
 
     def kill(self, which: Callable[[Task], bool], error: BaseException) -> None:
-        """Kill the worker running a task ``which`` picks (soon, in the dispatcher
-        thread): the task fails with ``error`` unless its answer came first; a new worker
-        takes its place. A task not running yet is left alone."""
+        """Stop the tasks ``which`` picks among those handed out (soon, in the dispatcher
+        thread), failing them with ``error`` unless their answer came first: a worker's
+        first task (running, or about to) by killing that worker (a new one takes its
+        place); one queued behind another call's task at once (its answer, when the
+        worker gets to it, is dropped)."""
 
         def act() -> None:
             for worker in list(self._workers.values()):
-                if worker.running and worker.tasks and which(worker.tasks[0]):
-                    self._doom(worker, error)
+                for index, task in enumerate(list(worker.tasks)):
+                    if not which(task):
+                        continue
+                    if index == 0:
+                        self._doom(worker, error)
+                    else:
+                        _settle(task, False, error)
 
         self.request(act)
 
@@ -868,7 +875,7 @@ class Dispatcher:
         tag = message[0]
         if tag == "s":
             worker.running = True
-            if self.task_timeout is not None and not worker.stopping:
+            if self.task_timeout is not None and worker.kill_at is None:  # not being stopped
                 worker.deadline = time.monotonic() + self.task_timeout
         elif tag == "r":
             task = worker.tasks.popleft()
@@ -972,6 +979,9 @@ class Dispatcher:
         self._forget_worker(worker)
         if expected or retired:
             verdict = worker.verdict
+            if verdict is not None and verdict[0] in tasks:  # killed before it started
+                tasks.remove(verdict[0])
+                _settle(verdict[0], False, verdict[1])
             if running is not None and verdict is not None and verdict[0] is running:
                 _settle(running, False, verdict[1])  # timed out, or killed by the caller
             # stopped on purpose: a task it was running belonged to an abandoned job

@@ -419,11 +419,18 @@ class Dispatcher:
         fail with ``error`` (default: the pool was terminated). ``wait``: until done (a
         second Ctrl-C meanwhile only cuts the grace period short)."""
         grace = self._grace if grace_period is None else grace_period
+        procs: list[BaseProcess] = []
         with self._lock:
             if self.state in (RUNNING, CLOSING):
                 self.state = STOPPING
                 self._stop_grace = grace
                 self._stop_error = error
+                procs = [w.proc for w in list(self._workers.values())]
+        # SIGTERM now, from this thread: the workers' exits overlap the hand-over to the
+        # dispatcher thread, which sees STOPPING before it looks at any of their deaths
+        # and stops them all (again) with the grace period
+        for proc in procs:
+            send_signal(proc, signal.SIGTERM)
         self._watcher.wake()
         if wait:
             with sigint_held(self._hurry):
@@ -486,6 +493,8 @@ class Dispatcher:
                     kind, worker = key
                     if worker.slot not in self._workers:
                         continue
+                    if self.state == STOPPING:
+                        break  # terminate(): the stopping takes care of every worker
                     if kind == "exit":
                         self._on_exit(worker)
                         continue

@@ -428,6 +428,25 @@ def test_results_go_as_soon_as_the_caller_drops_them():
             gc.enable()
 
 
+@pytest.mark.timeout(60)
+def test_an_executors_results_go_as_soon_as_the_caller_drops_them():
+    """Neither the future nor its value waits for a collection (the future's kill() must
+    not make a cycle with the call's job)."""
+    import gc
+    import weakref
+
+    with mp.ProcessPoolExecutor(1, mp_context="fork") as ex:
+        gc.disable()
+        try:
+            future = ex.submit(make_array, 1000)
+            value = future.result(DEADLINE)
+            refs = [weakref.ref(value), weakref.ref(future)]
+            del value, future
+            assert [r() for r in refs] == [None, None]
+        finally:
+            gc.enable()
+
+
 @pytest.mark.timeout(90)
 def test_under_fork_a_scripts_functions_go_by_name_only_when_the_worker_has_them(tmp_path):
     """A forked worker has every function ``__main__`` had when it was forked: those go by

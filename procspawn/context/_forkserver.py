@@ -6,8 +6,7 @@ fork server imports only the main module. ``spawn(..., start_method="forkserver"
 fork server of procspawn's own instead: started once per program, at its first use, with
 the modules a rank runs and cloudpickle already imported, NumPy too when this process
 has imported it (plus whatever the user names with ``set_forkserver_preload``), and
-reused by every later ``spawn``. A rank then
-costs a fork and its own work.
+reused by every later ``spawn``. A rank then costs a fork and its own work.
 
 It is the stdlib's fork server program (``multiprocessing.forkserver.main``), run as a
 second instance: the same protocol, the same guarantees (single-threaded, so a threaded

@@ -395,9 +395,8 @@ def _close_reader(reader: MessageReader) -> None:
 
 
 def _close_watcher(watcher: Watcher, owned: list[int]) -> None:
-    """Close the watcher (waking a join() blocked in it in another thread) and the exit
-    handles that are ours (pidfds)."""
-    watcher.wake()
+    """Close the watcher (which wakes a join() blocked in it in another thread) and the
+    exit handles that are ours (pidfds)."""
     watcher.close()
     for fd in owned:
         with contextlib.suppress(OSError):

@@ -2,11 +2,12 @@
 drop-in ``Process`` all start their processes with it.
 
 It is procspawn's fork server ("forkserver") where the platform has one, else "spawn":
-a child is a fork of a single-threaded server that imported NumPy, cloudpickle and
-procspawn once (fast, and safe in a parent with threads, which the pools' dispatcher
-thread makes every program; plain fork from a threaded parent can deadlock the child),
-and a missing ``if __name__ == "__main__":`` guard fails the same way everywhere.
-CPython 3.14 made forkserver multiprocessing's default on Linux for the same reasons.
+a child is a fork of a single-threaded server that imported procspawn, cloudpickle and
+(for a program that uses it) NumPy once: fast, and safe in a parent with threads, which
+the pools' dispatcher thread makes every program (plain fork from a threaded parent can
+deadlock the child); and a missing ``if __name__ == "__main__":`` guard fails the same
+way everywhere. CPython 3.14 made forkserver multiprocessing's default on Linux for the
+same reasons.
 
 Order: ``set_start_method()``, else ``PROCSPAWN_START_METHOD`` (``procspawn run
 --start-method`` sets it), else the default. multiprocessing's own global default is

@@ -104,24 +104,25 @@ def oom_kills() -> int | None:
 
 
 def sigkill_cause(pid: int | None, oom_kills_before: int | None) -> str:
-    """Who killed ``pid`` with SIGKILL, as far as the kernel says: its log when this
-    process may read it, else whether its count of out-of-memory kills moved."""
+    """Who killed ``pid`` with SIGKILL, as far as the kernel says: not its out-of-memory
+    killer when its count of kills did not move; else its log, when this process may read
+    it (a scan of the ring buffer, only then)."""
+    now = oom_kills()
+    if oom_kills_before is not None and now is not None and now == oom_kills_before:
+        return (
+            " (not the kernel's out-of-memory killer, whose count of kills did not move: "
+            "another process sent SIGKILL)"
+        )
     if pid is not None and _kernel_log_names_oom_kill(pid):
         return (
             " (the kernel's out-of-memory killer: the kernel log says it killed pid "
             f"{pid}; the process needed more memory than the machine or its cgroup has)"
         )
-    now = oom_kills()
     if oom_kills_before is None or now is None:
         return OOM_HINT
-    if now > oom_kills_before:
-        return (
-            f" (most likely the kernel's out-of-memory killer: it killed {now - oom_kills_before} "
-            f"process(es) on this machine meanwhile, /proc/vmstat oom_kill; `dmesg` names them)"
-        )
     return (
-        " (not the kernel's out-of-memory killer, whose count of kills did not move: "
-        "another process sent SIGKILL)"
+        f" (most likely the kernel's out-of-memory killer: it killed {now - oom_kills_before} "
+        f"process(es) on this machine meanwhile, /proc/vmstat oom_kill; `dmesg` names them)"
     )
 
 
@@ -145,9 +146,8 @@ def _kernel_log_names_oom_kill(pid: int) -> bool:
                 return False
             if not record:
                 return False
-            if b"oom" in record.lower() or b"Killed process" in record:
-                if any(mark in record for mark in marks):
-                    return True
+            if any(mark in record for mark in marks):
+                return True
         return False
     finally:
         os.close(fd)

@@ -115,7 +115,7 @@ class Job:
         return describe_call(self.fn, task.kind, task.payload)
 
     def describe_fn(self) -> str:
-        return getattr(self.fn, "__qualname__", None) or repr(self.fn)
+        return _name_of(self.fn)
 
 
 def _main_functions() -> dict[str, weakref.ref[Any]]:
@@ -143,12 +143,16 @@ def _main_name(worker: _Worker, fn: Any) -> Any:
     return fn
 
 
+def _name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
 def describe_call(fn: Any, kind: int, payload: Any) -> str:
     import reprlib
 
     r = reprlib.Repr()
     r.maxstring, r.maxother, r.maxlist, r.maxtuple, r.maxdict = 40, 40, 3, 3, 3
-    name = getattr(fn, "__qualname__", None) or repr(fn)
+    name = _name_of(fn)
     if payload is None:
         return f"{name}(...)"
     if kind == _worker.APPLY:

@@ -25,9 +25,7 @@ from typing import Any
 from ..context._progress import Progress, as_progress
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
-from ._pool import start_method_of
-
-_TICK = 0.1  # seconds between progress redraws while map's iterator waits
+from ._pool import start_method_of, wait_showing
 
 
 class Future(_cf.Future):
@@ -89,6 +87,20 @@ class _ChunksJob(Job):
         if ok and self.progress is not None:
             self.progress._add(len(value))
         _set(self.futures[task.index], ok, value)
+
+
+def _kill(dispatcher: Dispatcher, job_ref: weakref.ref[Job]) -> None:
+    """``Future.kill()`` of a call not done (its job is alive while its task is)."""
+    job = job_ref()
+    if job is not None:
+        dispatcher.kill(
+            lambda task: task.job is job,
+            _cf.CancelledError(f"{job.describe_fn()} was killed while it ran (Future.kill())"),
+        )
+
+
+def _done_within(future: _cf.Future, seconds: float) -> bool:
+    return not _cf.wait([future], seconds).not_done
 
 
 def _start(future: _cf.Future) -> bool:
@@ -206,15 +218,11 @@ class ProcessPoolExecutor(_cf.Executor):
             self._check_open()
             future = Future()
             job = _CallJob(fn, future)
-            future._procspawn_kill = functools.partial(self._kill, job)
+            # the job holds the future: the future holds the job weakly, or the two would
+            # be a cycle keeping the result (shared arrays) until a garbage collection
+            future._procspawn_kill = functools.partial(_kill, self._dispatcher, weakref.ref(job))
             self._dispatcher.submit([Task(job, 0, _worker.APPLY, (args, kwargs))])
         return future
-
-    def _kill(self, job: Job) -> None:
-        self._dispatcher.kill(
-            lambda task: task.job is job,
-            _cf.CancelledError(f"{job.describe_fn()} was killed while it ran (Future.kill())"),
-        )
 
     def _check_open(self) -> None:
         if self._dispatcher.broken is not None:
@@ -294,7 +302,11 @@ def _results(
         while futures:
             future = futures[-1]
             if progress is not None:
-                _wait_showing(future, end_time, progress)
+                wait_showing(
+                    functools.partial(_done_within, future),
+                    progress,
+                    None if end_time is None else end_time - time.monotonic(),
+                )
             if end_time is None:
                 values = future.result()
             else:
@@ -309,16 +321,6 @@ def _results(
             future.cancel()
         if progress is not None:
             progress.close()
-
-
-def _wait_showing(future: _cf.Future, end_time: float | None, progress: Progress) -> None:
-    """Wait for ``future`` (until ``end_time`` at most), redrawing ``progress``."""
-    while not future.done():
-        left = _TICK if end_time is None else min(_TICK, end_time - time.monotonic())
-        if left <= 0:
-            return
-        _cf.wait([future], left)
-        progress.render()
 
 
 __all__ = ["ProcessPoolExecutor"]

@@ -54,6 +54,19 @@ def start_method_of(context: Any) -> str:
     return method
 
 
+def wait_showing(wait: Callable[[float], bool], progress: Progress, timeout: float | None) -> bool:
+    """Call ``wait(seconds)`` (True once what it waits for is there) in ticks until it is
+    there or ``timeout`` passed, redrawing ``progress`` between ticks; whether it is."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        if wait(left):
+            return True
+        progress.render()
+
+
 class ApplyResult:
     """The result of ``apply_async`` (``multiprocessing.pool.AsyncResult``'s interface)."""
 
@@ -108,17 +121,12 @@ class ApplyResult:
     def _wait_showing(self, progress: Progress, timeout: float | None) -> None:
         """Wait as ``get`` does, redrawing ``progress``; it is closed once the result is
         there (or the wait is interrupted)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while True:
-                left = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
-                if left <= 0 or self._event.wait(left):
-                    break
-                progress.render()
+            done = wait_showing(self._event.wait, progress, timeout)
         except BaseException:
             progress.close()
             raise
-        if self._event.is_set():
+        if done:
             progress.close()
 
     def _finish(self, ok: bool, value: Any) -> None:

@@ -144,7 +144,7 @@ class Kind:
 class Kept:
     """One recycled segment: its mapping, and what its strategy needs to know it by."""
 
-    __slots__ = ("kind", "address", "length", "header", "fd", "key", "name", "since", "reused")
+    __slots__ = ("kind", "address", "length", "header", "fd", "key", "name", "since")
 
     def __init__(
         self,
@@ -159,7 +159,6 @@ class Kept:
         self.kind, self.address, self.length, self.header = kind, address, length, header
         self.key, self.fd, self.name = key, fd, name
         self.since = 0.0
-        self.reused = False  # handed out again after a first use: its pages are in place
 
     @property
     def capacity(self) -> int:
@@ -199,8 +198,9 @@ def take(nbytes: int, kind: Kind) -> Segment | None:
                 kind.give_back(kept)
                 kept = None
             else:
-                kept.reused = True
-                return _segment(kept)
+                segment = _segment(kept)
+                segment.reused = True  # its pages are in place
+                return segment
     kept = kind.make(capacity)
     with _lock:
         _watch()
@@ -230,7 +230,6 @@ def _segment(kept: Kept) -> Segment:
         on_release=kept.kind.on_release(kept),
         recycle=_recycle,
     )
-    segment.reused = kept.reused
     _out[kept.address] = kept
     return segment
 

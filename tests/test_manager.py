@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import textwrap
 import time
@@ -205,3 +206,224 @@ def test_killed_daemon_is_replaced_and_names_registered_again():
     result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
     assert result.stdout.split() == ["True", "True"], result.stderr
     assert _wait(lambda: not (_segments() - before))
+
+
+# -- a daemon that cannot die of its clients ---------------------------------------------
+
+MANY_CLIENTS = """
+import json, os, resource, sys, time
+import procspawn as mp
+from procspawn import sharing
+from procspawn.sharing import _manager
+from procspawn.sharing._manager_main import holders
+
+
+def hold(q, ready, stop):
+    a = q.get(timeout=120)   # maps the parent's array: a client of the tree's daemon
+    ready.put((os.getpid(), int(a[0])))
+    stop.get(timeout=120)
+
+
+def daemons(address):
+    found = []
+    for e in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{e}/cmdline", "rb") as f:
+                if address.encode() in f.read():
+                    found.append(int(e))
+        except OSError:
+            pass
+    return found
+
+
+if __name__ == "__main__":
+    n, soft, daemon_limit = (int(x) for x in sys.argv[1:4])
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    mp.set_sharing_strategy("file_system")
+    a = sharing.zeros(1000)   # the first share: the daemon starts, with this soft limit
+    a[0] = 5
+    address = _manager.ensure()
+    [daemon] = daemons(address)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))   # the parent's own needs
+    if daemon_limit:   # a daemon already at its hard limit
+        resource.prlimit(daemon, resource.RLIMIT_NOFILE, (daemon_limit, daemon_limit))
+    ctx = mp.get_context("fork")
+    q, ready, stop = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=hold, args=(q, ready, stop)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    for _ in range(n):
+        q.put(a)
+    got = [ready.get(timeout=120) for _ in range(n)]
+    [name] = [x for x in os.listdir("/dev/shm") if x.startswith(f"procspawn_{os.getpid()}_")]
+    mapped = len(set(holders(name)))
+    for _ in range(n):
+        stop.put(None)
+    for p in procs:
+        p.join(60)
+    deadline = time.monotonic() + 10
+    while holders(name) != [os.getpid()] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with open(f"/proc/{daemon}/limits") as f:
+        [limit] = [line.split()[3] for line in f if line.startswith("Max open files")]
+    print(json.dumps({
+        "values": sorted({v for _, v in got}), "mapped": mapped,
+        "after": holders(name) == [os.getpid()], "codes": sorted({p.exitcode for p in procs}),
+        "daemons": daemons(address) == [daemon], "limit": int(limit), "hard": hard,
+    }))
+"""
+
+
+def _many_clients(n: int, soft: int, daemon_limit: int = 0) -> dict:
+    import json
+
+    result = run_script(MANY_CLIENTS, timeout=150, args=[str(n), str(soft), str(daemon_limit)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def _hard_limit() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+@pytest.mark.skipif(_hard_limit() < 1024, reason="needs a hard RLIMIT_NOFILE of 1024")
+def test_a_daemon_started_with_a_low_descriptor_limit_serves_60_clients():
+    # The issue's program: the parent's soft limit is 48 when it first shares (the daemon
+    # inherits it), then 60 processes map one of its arrays. The daemon lifted its own
+    # soft limit to the hard one, and the one that started serves to the end.
+    got = _many_clients(60, 48)
+    assert got["values"] == [5] and got["mapped"] == 61 and got["codes"] == [0]
+    assert got["after"] and got["daemons"]
+    assert got["limit"] == got["hard"]
+
+
+def test_a_daemon_at_its_hard_descriptor_limit_pauses_and_serves_everyone():
+    # A daemon that cannot have more than 40 descriptors, and 60 clients at once: it stops
+    # accepting while it has none to spare (the others wait in the listen backlog), takes
+    # them as descriptors come back, and never dies: the same daemon cleans up after all.
+    got = _many_clients(60, 1024, daemon_limit=40)
+    assert got["values"] == [5] and got["mapped"] == 61 and got["codes"] == [0]
+    assert got["after"] and got["daemons"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(_hard_limit() < 4096, reason="1,100 processes need 4096 descriptors")
+def test_1100_clients_under_the_default_descriptor_limit_one_daemon_one_table():
+    # 1,100 processes map one array at once, under the default soft limit of 1024 the
+    # daemon starts with: it serves them all, and the segment's table of holders (1,020
+    # places on its first page) grows to list the 1,101 processes.
+    got = _many_clients(1100, 1024)
+    assert got["values"] == [5] and got["mapped"] == 1101 and got["codes"] == [0]
+    assert got["after"] and got["daemons"]
+
+
+def _close_daemon_connection_then_wait(name_out, stop):
+    from procspawn.sharing import _manager as manager
+
+    mp.set_sharing_strategy("file_system")
+    keep = sharing.zeros(100_000)
+    keep[0] = 1
+    with manager._lock:  # as a program that closes descriptors it does not know of
+        conn, manager._conn = manager._conn, None
+        conn.close()
+    name_out.put(next(n for n in _segments() if n.startswith(f"procspawn_{os.getpid()}_")))
+    stop.get(timeout=60)
+
+
+def test_a_client_that_closes_its_connection_keeps_its_names_until_it_exits():
+    # EOF on a client's socket is not its death: the daemon watches its pid, leaves what
+    # it holds alone while it runs, and takes it out of the holders at once when it dies.
+    from procspawn.sharing._manager_main import holders
+
+    ctx = mp.get_context("fork")
+    name_out, stop = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_close_daemon_connection_then_wait, args=(name_out, stop))
+    child.start()
+    try:
+        name = name_out.get(timeout=30)
+        time.sleep(1.0)  # the daemon has long seen the EOF
+        assert holders(name) == [child.pid]
+        os.kill(child.pid, 9)
+        child.join(10)
+        assert _wait(lambda: not os.path.exists(f"/dev/shm/{name}"), 2.0)
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        for q in (name_out, stop):
+            q.close()
+            q.join_thread()
+
+
+def _daemon_of(address):
+    [pid] = [int(e) for e in os.listdir("/proc") if e.isdigit() and address in _cmd(e)]
+    return pid
+
+
+def test_the_daemon_survives_garbage_stopped_readers_and_10000_connections():
+    from procspawn.sharing._manager_main import PREFIX, SHM_DIR
+
+    address = _manager.ensure()
+    daemon = _daemon_of(address)
+
+    def connect():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect("\0" + address)
+        return s
+
+    # garbage, half a record, a leftover that starts like a query: ignored
+    with connect() as s:
+        s.sendall(os.urandom(10_000) + b"R" + b"procspawn_1_")
+        s.sendall(b"L" * 63)
+    # 10,000 connections over its life, each registering a name and closing
+    for i in range(10_000):
+        with connect() as s:
+            s.sendall(f"Rprocspawn_1_{i:016x}".encode().ljust(64, b"\0"))
+    # a reader stopped in the middle of a long answer: 10,000 names held (files made
+    # here, registered by this process) are more than a socket buffer holds
+    names = [f"{PREFIX}{os.getpid()}_{i:016x}" for i in range(10_000)]
+    holder = connect()
+    try:
+        for name in names:
+            fd = os.open(f"{SHM_DIR}/{name}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            os.close(fd)
+        holder.sendall(b"".join(f"R{n}".encode().ljust(64, b"\0") for n in names))
+        pid = os.fork()
+        if pid == 0:  # asks, then stops without reading the answer
+            try:
+                s = connect()
+                s.sendall(b"L")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            finally:
+                os._exit(0)
+        try:
+            assert _wait(lambda: _state(pid) == "T", 10)
+            started = time.monotonic()
+            answer = _manager.query(address, timeout=10)  # the daemon is not stuck on it
+            assert time.monotonic() - started < 5
+            assert answer is not None and set(names) <= set(answer)
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        holder.sendall(b"".join(f"U{n}".encode().ljust(64, b"\0") for n in names))
+    finally:
+        holder.close()
+        for name in names:
+            try:
+                os.unlink(f"{SHM_DIR}/{name}")
+            except FileNotFoundError:
+                pass
+    assert _daemon_of(address) == daemon  # the same daemon serves
+    assert len(os.listdir(f"/proc/{daemon}/fd")) < 64  # and holds no descriptor per client
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""

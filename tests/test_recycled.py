@@ -47,6 +47,7 @@ _RECYCLED = "procspawn"  # in "/memfd:procspawn (deleted)" and "/dev/shm/procspa
 def recycling(request):
     """Each strategy whose send copies are recycled, made the current one."""
     previous = mp.get_sharing_strategy()
+    sharing.trim()  # what earlier tests' sends left to recycle is not this test's
     mp.set_sharing_strategy(request.param)
     yield request.param
     sharing.trim()

@@ -9,15 +9,16 @@ limits and very many arrays. Space is reserved when a segment is made
 and a full one must fail at allocation, not as a bus error later.
 
 A message carries a descriptor of each segment, opened for that message (SCM_RIGHTS on
-procspawn channels, DupFd on the stdlib's), and a slot of its own among the holders
-(``pid | TRANSFER``), which its receiver takes over: the array arrives named, holding no
+procspawn channels, DupFd on the stdlib's), and is counted in the segment's table,
+a count its receiver turns into a slot of its own: the array arrives named, holding no
 descriptor, even if the sender dropped it or died before it was received. The descriptor
-keeps the memory safe whatever happens to the name: if the slot was swept meanwhile and
+keeps the memory safe whatever happens to the name: if the count was swept meanwhile and
 the name is gone, the receiver maps the memory all the same and keeps the descriptor, as
 a memfd segment does. A message carries at most ``FDS_PER_MESSAGE`` descriptors: further
-segments (a batch of hundreds) travel by name only, with a ``-pid`` slot that sweeps
-leave alone. A message that is never received keeps its slots' names until the tree's
-daemon exits (or ``procspawn cleanup``).
+segments (a batch of hundreds) travel by name only, counted apart, and sweeps leave
+those alone. Counts have no limit: a backlog of any length can wait for a slow consumer.
+A message that is never received keeps its slots' names until the tree's daemon exits
+(or ``procspawn cleanup``).
 
 The cleanup daemon (``_manager``) knows which process holds which name: a process
 registers a name before it creates or maps it, and the daemon removes a dead process from
@@ -27,8 +28,11 @@ with O_NOFOLLOW and used only if they are regular files of this user with mode 0
 
 from __future__ import annotations
 
+import collections
 import errno
+import fcntl
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -61,6 +65,7 @@ def _release(name: str) -> None:
 
 
 def _let_go(name: str) -> None:
+    _forget_marked(name)
     _manager.released(name, gone=not let_go(name))
     _log.debug("released %s", name)
 
@@ -84,8 +89,55 @@ def _map_named(fd: int, name: str, size: int) -> Segment:
 FDS_PER_MESSAGE = 32
 
 
-def _open_for_message(name: str) -> int:
-    """A descriptor of ``name`` for the message being pickled."""
+def _open_for_message(name: str, share: bool) -> int:
+    """A descriptor of ``name`` for the message being pickled, marked: with ``share``, of
+    the one open file description that every message of ``name`` from this process shares
+    while it is sent often (see ``_marked``); else of its own (a recycled segment, which
+    carries one message at a time and is kept long after)."""
+    if not share:
+        own = _open(name)
+        try:
+            mark_message(own)
+        except BaseException:
+            os.close(own)
+            raise
+        return own
+    with _marked_lock:
+        fd = _marked.get(name, -1)
+        if fd < 0:
+            fd = _open_for_message(name, share=False)
+            _marked[name] = fd
+            if len(_marked) > _MARKED:
+                os.close(_marked.popitem(last=False)[1])
+        else:
+            _marked.move_to_end(name)
+        try:
+            return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise FdLimitError(f"shared segment {name} could not be sent") from None
+            raise
+
+
+# Whether a message is alive is the lock its description carries (``mark_message``), and
+# the kernel keeps a file's locks in one list that every lock and every close walks: one
+# description per message made a backlog of n messages cost O(n) per send. So the
+# messages of a segment share one description, marked once, which this process keeps
+# open for its last four segments sent (four descriptors, however many arrays) and
+# closes when it lets go of the segment: from then on only its messages keep it alive.
+_MARKED = 4
+_marked: collections.OrderedDict[str, int] = collections.OrderedDict()
+_marked_lock = threading.Lock()
+
+
+def _forget_marked(name: str) -> None:
+    with _marked_lock:
+        fd = _marked.pop(name, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _open(name: str) -> int:
     try:
         return open_segment(name)
     except FileNotFoundError:
@@ -100,11 +152,20 @@ def _open_for_message(name: str) -> int:
         raise
 
 
+def _after_fork_in_child() -> None:
+    global _marked_lock
+    for fd in _marked.values():
+        os.close(fd)  # the parent's messages' mark: a child's copy would keep them alive
+    _marked.clear()
+    _marked_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _message_slot(name: str, fd: int, kind: str, state: _message.SendState) -> None:
     """Give the message a slot of its own among the holders, for its receiver to take
     over; a message that is never sent gives it back."""
-    if kind == "transfer":
-        mark_message(fd)  # before the slot: a slot is never seen without its mark
     if not hold(name, fd, kind):
         raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed meanwhile")
     state.on_abandon.append(lambda: drop_inflight(name, kind))
@@ -192,11 +253,11 @@ class FileSystemStrategy(SharingStrategy):
             return (state.add_fd(segment.fd, segment), segment.key, segment.size, "anon")
         name = segment.name
         # The message keeps the sender's own slot until it is closed (a start-up message
-        # serves every rank), and holds a slot of its own, which outlives the sender for
-        # the receiver to take over: the array arrives named (no descriptor to keep) even
-        # if the sender dropped it, or died, before it was received.
+        # serves every rank), and is counted in the table, a count that outlives the
+        # sender for the receiver to turn into a slot: the array arrives named (no
+        # descriptor to keep) even if the sender dropped it, or died, before it was received.
         state.keepalive.append(segment)
-        fd = _open_for_message(name)
+        fd = _open_for_message(name, share=not segment.recycled)
         if len(state.owned) < FDS_PER_MESSAGE:
             index = state.give_fd(fd)
             _message_slot(name, fd, "transfer", state)

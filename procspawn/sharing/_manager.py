@@ -50,12 +50,12 @@ def _record(op: bytes, name: str) -> bytes:
 
 def _connect(address: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_SEND_TIMEOUT)  # a daemon short of descriptors accepts a little later
     try:
         sock.connect("\0" + address)
     except OSError:
         sock.close()
         return None
-    sock.settimeout(_SEND_TIMEOUT)
     return sock
 
 

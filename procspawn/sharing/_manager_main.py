@@ -35,6 +35,7 @@ next daemon of this user sweeps at start-up (``sweep``), and so does ``procspawn
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -46,6 +47,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 RECORD = 64
 SHM_DIR = "/dev/shm"
@@ -53,6 +55,7 @@ PREFIX = "procspawn_"
 NAME_RE = re.compile(r"procspawn_([0-9]{1,10})_[0-9a-f]{16}")
 GRACE = float(os.environ.get("PROCSPAWN_MANAGER_GRACE", "2.0"))
 YOUNG = 2.0  # seconds: a segment this young may be between creation and mapping
+_T = TypeVar("_T")
 DEBUG = os.environ.get("PROCSPAWN_DEBUG", "") not in ("", "0")
 
 
@@ -63,18 +66,29 @@ def _log(text: str) -> None:
 
 # -- named segments ----------------------------------------------------------------------
 #
-# The first page of a named segment is its table of holders: 1024 int32 slots, each the pid
-# of a process that maps it (0: free), changed only under flock(LOCK_EX) on a descriptor of
-# the segment (the lock belongs to that open file, so threads of one process exclude each
-# other too, and the kernel drops it if its holder dies mid-update). A pid, not a count:
-# whoever cleans up after a dead process removes exactly the slots that process took,
-# however it died (between registering and taking its slot, or between giving the slot
-# back and telling the daemon). A message holds a slot of its own, which its receiver
-# turns into its pid and a daemon leaves alone when the sender dies (the message may be
-# received after that): see TRANSFER below. The data starts on the next page.
+# The first page of a named segment is its table of holders, changed only under
+# flock(LOCK_EX) on a descriptor of the segment (the lock belongs to that open file, so
+# threads of one process exclude each other too, and the kernel drops it if its holder dies
+# mid-update). Four int32 words, then holder slots:
+#
+#   transfers  messages in flight that carry a descriptor of the segment
+#   by_name    messages in flight that carry only its name (beyond FDS_PER_MESSAGE)
+#   more       pages of further holder slots, at page ``more_at`` (past the data), 0: none
+#   more_at
+#   slots      the pid of each process that maps the segment (0: free)
+#
+# A pid, not a count, for holders: whoever cleans up after a dead process removes exactly
+# the slots that process took, however it died (between registering and taking its slot,
+# or between giving the slot back and telling the daemon). A count for messages: any
+# receiver turns one into its own pid (``adopt``), and a daemon leaves them alone when the
+# sender dies (the message may be received after that). Neither has a fixed limit: a
+# backlog of any length is a count, and when the slots fill (a thousand processes mapping
+# one slab) the table grows by whole pages at the end of the file, which no mapping
+# covers. The data starts on the second page.
 
 HEADER = 4096  # bytes before a named segment's data: the table of holders
-_SLOTS = HEADER // 4
+_PAGE = 4096
+_COUNTS = struct.Struct("<4i")
 _FREE = b"\0\0\0\0"
 
 
@@ -95,12 +109,88 @@ def open_segment(name: str) -> int:
     return fd
 
 
-def _find(table: bytes | bytearray, word: bytes) -> int:
-    """The first slot holding ``word`` (4 bytes), or -1."""
-    i = table.find(word)
-    while i >= 0 and i % 4:
-        i = table.find(word, i + 1)
-    return i
+class Table:
+    """A segment's table of holders, as read under its lock; changes are written through."""
+
+    __slots__ = ("fd", "transfers", "by_name", "more", "more_at", "slots")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        # short when its creator died before giving it its size: nothing is taken then
+        head = os.pread(fd, HEADER, 0).ljust(HEADER, b"\0")
+        self.transfers, self.by_name, self.more, self.more_at = _COUNTS.unpack_from(head)
+        self.slots = bytearray(head[_COUNTS.size :])
+        if self.more:
+            size = self.more * _PAGE
+            self.slots += os.pread(fd, size, self.more_at * _PAGE).ljust(size, b"\0")
+
+    def _offset(self, i: int) -> int:
+        """The file offset of byte ``i`` of the slots."""
+        first = HEADER - _COUNTS.size
+        return _COUNTS.size + i if i < first else self.more_at * _PAGE + i - first
+
+    def find(self, pid: int) -> int:
+        """The byte index of the first slot holding ``pid`` (0: a free one), or -1."""
+        word = _slot_word(pid)
+        i = self.slots.find(word)
+        while i >= 0 and i % 4:
+            i = self.slots.find(word, i + 1)
+        return i
+
+    def put(self, i: int, pid: int) -> None:
+        word = _slot_word(pid)
+        self.slots[i : i + 4] = word
+        os.pwrite(self.fd, word, self._offset(i))
+
+    def add(self, pid: int) -> None:
+        """Take a free slot for ``pid``, growing the table when none is left."""
+        i = self.find(0)
+        if i < 0:
+            i = len(self.slots)
+            self._grow()
+        self.put(i, pid)
+
+    def _grow(self) -> None:
+        pages = max(1, self.more)  # doubling: a table of n slots is read in O(log n) steps
+        at = self.more_at or -(-os.fstat(self.fd).st_size // _PAGE)
+        start = (at + self.more) * _PAGE
+        try:
+            os.posix_fallocate(self.fd, start, pages * _PAGE)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"no room in {SHM_DIR} to track one more process mapping a shared segment "
+                f"({exc.strerror}): free some shared memory, or make {SHM_DIR} larger",
+            ) from None
+        self.more, self.more_at = self.more + pages, at
+        self.slots += bytes(pages * _PAGE)
+        self._write_counts()
+
+    def _write_counts(self) -> None:
+        counts = _COUNTS.pack(self.transfers, self.by_name, self.more, self.more_at)
+        os.pwrite(self.fd, counts, 0)
+
+    def count(self, kind: str, change: int) -> bool:
+        """Change the count of messages of ``kind`` ("transfer" or "inflight") by
+        ``change``; False, changing nothing, when that would take it below zero."""
+        attr = "transfers" if kind == "transfer" else "by_name"
+        value = getattr(self, attr) + change
+        if value < 0:
+            return False
+        setattr(self, attr, value)
+        self._write_counts()
+        return True
+
+    def pids(self) -> list[int]:
+        return [pid for pid in struct.unpack(f"<{len(self.slots) // 4}i", self.slots) if pid]
+
+    def empty(self) -> bool:
+        """Nothing holds the segment: no process, no message."""
+        return not (self.transfers or self.by_name) and self.slots.count(0) == len(self.slots)
+
+
+def _slot_word(pid: int) -> bytes:
+    return struct.pack("<i", pid)
 
 
 _here = threading.local()  # .depth: table locks this thread holds; .later: deferred work
@@ -112,11 +202,10 @@ class _Locked:
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
-    def __enter__(self) -> bytes:
+    def __enter__(self) -> Table:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         try:
-            # short when its creator died before giving it its size: no slot is taken then
-            table = os.pread(self.fd, HEADER, 0).ljust(HEADER, b"\0")
+            table = Table(self.fd)
         except BaseException:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             raise
@@ -148,34 +237,7 @@ def when_unlocked(work: Callable[[], object]) -> None:
 
 def first_holder(fd: int) -> None:
     """Make this process the only holder of a segment it just created (and still owns)."""
-    os.pwrite(fd, struct.pack("<i", os.getpid()), 0)
-
-
-# A slot is a holder's pid, or a message's: ``pid | TRANSFER`` (the sender's pid) when the
-# message carries a descriptor of the segment, which is every message but the by-name
-# part of a batch of more than 32 segments: those hold ``-pid``. A TRANSFER slot goes when
-# its message is received, or closed unread (``expire_transfers``); a ``-pid`` slot when
-# it is received, or when the daemon of the tree exits.
-TRANSFER = 0x40000000
-_TOP_INFLIGHT = 0xFF  # top byte of -pid (pids are < 2**22)
-_TOP_TRANSFER = 0x40
-
-
-def _slot_word(pid: int) -> bytes:
-    return struct.pack("<i", pid)
-
-
-def _find_top(table: bytes | bytearray, top: int) -> int:
-    """The first slot whose top byte is ``top`` (a message's slot of that kind), or -1."""
-    i = table.find(bytes([top]), 3)
-    while i >= 0 and i % 4 != 3:
-        i = table.find(bytes([top]), i + 1)
-    return i - 3 if i >= 0 else -1
-
-
-def has_inflight(table: bytes | bytearray) -> bool:
-    """A message carrying the segment by name only holds a slot (a sweep must keep it)."""
-    return _find_top(table, _TOP_INFLIGHT) >= 0
+    os.pwrite(fd, _slot_word(os.getpid()), _COUNTS.size)
 
 
 # Whether a message that carries a descriptor still exists anywhere (in a socket buffer,
@@ -208,25 +270,21 @@ def _messages_alive(fd: int) -> bool:
 
 
 def expire_transfers(name: str) -> bool:
-    """Give back the slots of messages that no longer exist (their channel was closed
-    unread) when no living process holds ``name``; unlink it if nobody is left. Returns
-    whether it was unlinked."""
+    """Forget the messages that no longer exist (their channel was closed unread) when no
+    living process holds ``name``; unlink it if nobody is left. Returns whether it was
+    unlinked."""
     try:
         fd = open_segment(name)
     except OSError:
         return False
     try:
-        with _Locked(fd) as current:
-            table = bytearray(current)
-            if _find_top(table, _TOP_TRANSFER) < 0 or _messages_alive(fd):
+        with _Locked(fd) as table:
+            if not table.transfers or _messages_alive(fd):
                 return False
-            for pid in struct.unpack(f"<{_SLOTS}i", table):
-                if 0 < pid < TRANSFER and _alive(pid):
-                    return False  # its holder will let go itself
-            while (slot := _find_top(table, _TOP_TRANSFER)) >= 0:
-                table[slot : slot + 4] = _FREE
-                os.pwrite(fd, _FREE, slot)
-            if _empty(table):
+            if any(_alive(pid) for pid in table.pids()):
+                return False  # its holders will let go themselves
+            table.count("transfer", -table.transfers)
+            if table.empty():
                 _unlink(name)
                 return True
             return False
@@ -241,73 +299,57 @@ def _reopen(fd: int) -> int:
 
 
 def hold(name: str, fd: int, kind: str = "holder") -> bool:
-    """Add a slot to the holders of the segment open as ``fd``: this process' own, or a
-    message's (``kind`` "inflight": by name only; "transfer": with a descriptor), which
-    its receiver takes over (``adopt``); a daemon leaves message slots alone.
+    """Add this process to the holders of the segment open as ``fd``, or (``kind``
+    "inflight": by name only; "transfer": with a descriptor) count one more message in
+    flight, which its receiver takes over (``adopt``); a daemon leaves those alone.
 
     Returns False, changing nothing, when the segment is no longer named (its last
     holder, a daemon or a sweep unlinked it): then it is just memory, as a memfd is.
     """
-    pid = os.getpid()
-    word = {"holder": pid, "inflight": -pid, "transfer": pid | TRANSFER}[kind]
     own = _reopen(fd)
     try:
         with _Locked(own) as table:
-            if _empty(table) or os.fstat(own).st_nlink == 0:
+            if table.empty() or os.fstat(own).st_nlink == 0:
                 return False
-            slot = _find(table, _FREE)
-            if slot < 0:
-                words = struct.unpack(f"<{_SLOTS}i", table)
-                sent = sum(1 for w in words if w < 0 or w & TRANSFER)
-                raise OSError(
-                    f"shared segment {name} is held {_SLOTS} times already, the most a "
-                    f"file_system segment keeps track of: {_SLOTS - sent} by processes that "
-                    f"map it, {sent} by messages sent but not received yet. Let receivers "
-                    f"keep up (a Queue with maxsize), send fewer handles to one array, or "
-                    f"use the file_descriptor strategy, which has no such limit"
-                )
-            os.pwrite(own, _slot_word(word), slot)
+            if kind == "holder":
+                table.add(os.getpid())
+            else:
+                table.count(kind, 1)
             return True
     finally:
         os.close(own)
 
 
 def adopt(name: str, fd: int, kind: str) -> bool:
-    """Take over a message's slot of ``kind`` ("inflight" or "transfer") as this
-    process' own. False when there is none (another receiver took it, or it was freed)."""
-    top = _TOP_INFLIGHT if kind == "inflight" else _TOP_TRANSFER
+    """Turn one message of ``kind`` ("inflight" or "transfer") into this process' own
+    slot. False when there is none (another receiver took it, or it was freed)."""
     own = _reopen(fd)
     try:
         with _Locked(own) as table:
             if os.fstat(own).st_nlink == 0:
                 return False
-            slot = _find_top(table, top)
-            if slot < 0:
+            table.add(os.getpid())  # first: if the table cannot grow, the message stays
+            if not table.count(kind, -1):
+                table.put(table.find(os.getpid()), 0)
                 return False
-            os.pwrite(own, _slot_word(os.getpid()), slot)
             return True
     finally:
         os.close(own)
 
 
 def drop_inflight(name: str, kind: str = "inflight") -> int:
-    """A message's slot is not needed (its receiver maps the segment already, or it was
-    never sent): give it back; unlink if nobody is left. Returns 0 once unlinked."""
-    top = _TOP_INFLIGHT if kind == "inflight" else _TOP_TRANSFER
+    """A message is not needed (its receiver maps the segment already, or it was never
+    sent): forget it; unlink if nobody is left. Returns 0 once unlinked."""
     try:
         fd = open_segment(name)
     except FileNotFoundError:
         return 0
     try:
-        with _Locked(fd) as current:
+        with _Locked(fd) as table:
             if os.fstat(fd).st_nlink == 0:
                 return 0
-            table = bytearray(current)
-            slot = _find_top(table, top)
-            if slot >= 0:
-                table[slot : slot + 4] = _FREE
-                os.pwrite(fd, _FREE, slot)
-            if _empty(table):
+            table.count(kind, -1)
+            if table.empty():
                 _unlink(name)
                 return 0
             return 1
@@ -323,11 +365,6 @@ def _unlink(name: str) -> None:
     _log(f"unlinked {name}")
 
 
-def _empty(table: bytes | bytearray) -> bool:
-    """No slot is taken (every byte zero)."""
-    return table.count(0) == len(table)
-
-
 def let_go(name: str, pid: int | None = None, every: bool = False) -> bool:
     """Remove ``pid`` (default: this process) from a segment's holders, once or ``every``
     time it is there; unlink the segment when nobody is left. Returns whether anyone
@@ -340,18 +377,16 @@ def let_go(name: str, pid: int | None = None, every: bool = False) -> bool:
         fd = open_segment(name)
     except FileNotFoundError:
         return False
-    word = _slot_word(os.getpid() if pid is None else pid)
+    pid = os.getpid() if pid is None else pid
     try:
-        with _Locked(fd) as current:
-            table = bytearray(current)
+        with _Locked(fd) as table:
             changed = False
-            while (slot := _find(table, word)) >= 0:
-                table[slot : slot + 4] = _FREE
-                os.pwrite(fd, _FREE, slot)
+            while (slot := table.find(pid)) >= 0:
+                table.put(slot, 0)
                 changed = True
                 if not every:
                     break
-            if not _empty(table):
+            if not table.empty():
                 return True
             if not changed and every:
                 creator = int(NAME_RE.fullmatch(name).group(1))  # type: ignore[union-attr]
@@ -372,31 +407,35 @@ def only_holder(name: str) -> bool:
     except OSError:
         return False
     try:
-        with _Locked(fd) as current:
+        with _Locked(fd) as table:
             if os.fstat(fd).st_nlink == 0:
                 return False
-            table = bytearray(current)
-            slot = _find(table, _slot_word(os.getpid()))
-            if slot < 0:
-                return False
-            table[slot : slot + 4] = _FREE
-            return _empty(table)
+            pids = table.pids()
+            return pids == [os.getpid()] and not (table.transfers or table.by_name)
     finally:
         os.close(fd)
 
 
 def holders(name: str) -> list[int]:
     """The pids that hold a segment (empty when the name is gone)."""
+    return _read(name, Table.pids) or []
+
+
+def messages(name: str) -> tuple[int, int]:
+    """How many messages that carry a segment are in flight: (with a descriptor, by name)."""
+    return _read(name, lambda t: (t.transfers, t.by_name)) or (0, 0)
+
+
+def _read(name: str, what: Callable[[Table], _T]) -> _T | None:
     try:
         fd = open_segment(name)
     except FileNotFoundError:
-        return []
+        return None
     try:
         with _Locked(fd) as table:
-            pids = struct.unpack(f"<{_SLOTS}i", table)
+            return what(table)
     finally:
         os.close(fd)
-    return [pid for pid in pids if pid]
 
 
 # -- what nobody holds any more ----------------------------------------------------------
@@ -450,7 +489,7 @@ def _carried_by_name(name: str) -> bool:
     except OSError:
         return False
     try:
-        return has_inflight(os.pread(fd, HEADER, 0)) or _messages_alive(fd)
+        return bool(Table(fd).by_name) or _messages_alive(fd)
     finally:
         os.close(fd)
 
@@ -524,6 +563,19 @@ def sweep(
 
 
 # -- the daemon ----------------------------------------------------------------------------
+#
+# What can go wrong around it, and what it does:
+# - its clients outnumber its descriptors: it lifts its soft RLIMIT_NOFILE to the hard
+#   limit at start; at EMFILE it stops accepting for a moment (new clients wait in the
+#   listen backlog, then in connect()) and logs it once;
+# - a connection closes while its process lives (it closed the socket, or exec'ed): a
+#   process is gone when its pid says so, not at EOF: the daemon watches the pid (a pidfd,
+#   or a look every second without one) and lets go of its names only once it exited;
+# - a client sends garbage or half a record: names not of procspawn's form are ignored,
+#   and a partial record waits for the rest;
+# - a client stops (SIGSTOP) in the middle of a query: the answer is written as the socket
+#   takes it, never blocking the loop;
+# - a let-go fails for lack of descriptors: it is tried again every second.
 
 
 def _peer(conn: socket.socket) -> tuple[int, int]:
@@ -532,134 +584,239 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _answer(sock: socket.socket, names: list[str]) -> None:
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None if it is gone or a zombie."""
     try:
-        sock.setblocking(True)
-        sock.settimeout(5.0)
-        sock.sendall("".join(name + "\n" for name in sorted(names)).encode() + b".\n")
-    except OSError:
-        pass
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def _raise_fd_limit() -> None:
+    import resource  # the daemon only
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 class _Client:
-    __slots__ = ("pid", "buf", "holds")
+    __slots__ = ("pid", "started", "buf", "holds", "out")
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.started = _start_time(pid)
         self.buf = bytearray()
         self.holds: set[str] = set()
+        self.out = b""  # the rest of an answer to "L"
+
+    def alive(self) -> bool:
+        return self.started is not None and _start_time(self.pid) == self.started
 
 
-def _let_go(client: _Client) -> None:
-    """A client is gone: remove it from the holders of every name it registered."""
-    for name in client.holds:
+_CHECK = 1.0  # seconds between looks: messages that no longer exist, exits without pidfd
+_PAUSE = 0.1  # seconds without accepting after EMFILE
+
+
+class _Daemon:
+    def __init__(self, listener: socket.socket, grace: float) -> None:
+        self.listener = listener
+        self.grace = grace
+        self.sel = selectors.DefaultSelector()
+        self.clients: dict[socket.socket, _Client] = {}
+        self.exiting: dict[int, _Client] = {}  # pidfd -> a client whose connection closed
+        self.polled: list[_Client] = []  # the same, where no pidfd could be had
+        self.unfinished: list[tuple[str, int]] = []  # (name, pid): let go when possible
+        self.seen: set[str] = set()
+        self.uid = os.getuid()
+        self.idle_since: float | None = time.monotonic()
+        self.accept_at: float | None = None  # listening paused until then (EMFILE)
+        self.warned = False
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ)
+
+    def busy(self) -> bool:
+        return bool(self.clients or self.exiting or self.polled or self.unfinished)
+
+    def run(self) -> list[str]:
+        next_check = time.monotonic() + _CHECK
+        while True:
+            now = time.monotonic()
+            if not self.busy():
+                if self.idle_since is None:
+                    self.idle_since = now
+                if now >= self.idle_since + self.grace:
+                    break
+            else:
+                self.idle_since = None
+            if now >= next_check:
+                self.check()
+                next_check = now + _CHECK
+            if self.accept_at is not None and now >= self.accept_at:
+                self.accept_at = None
+                self.sel.register(self.listener, selectors.EVENT_READ)
+            wake = [next_check]
+            if self.idle_since is not None:
+                wake.append(self.idle_since + self.grace)
+            if self.accept_at is not None:
+                wake.append(self.accept_at)
+            for key, events in self.sel.select(max(0.0, min(wake) - now)):
+                if key.fileobj is self.listener:
+                    self.accept()
+                elif isinstance(key.fileobj, int):
+                    self.exited(key.fileobj)
+                elif events & selectors.EVENT_WRITE:
+                    self.write(key.fileobj)  # type: ignore[arg-type]
+                else:
+                    self.read(key.fileobj)  # type: ignore[arg-type]
+        if self.accept_at is None:
+            self.sel.unregister(self.listener)
+        self.listener.close()  # new clients now fail to connect and start a daemon of their own
+        self.sel.close()
+        # Whatever is left of what this tree used (a slot a client died too early to take
+        # back) goes if nobody maps or holds it open any more.
+        return [name for name, _ in sweep(self.seen, young=0.0, creator_dead=False)]
+
+    def accept(self) -> None:
         try:
-            held = let_go(name, client.pid, every=True)
-        except OSError:
-            continue
-        _log(f"client {client.pid} gone: {name} {'still held' if held else 'freed'}")
-    client.holds.clear()
+            conn, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:  # EMFILE, ENFILE, ENOBUFS: clients wait in the backlog
+            self.sel.unregister(self.listener)
+            self.accept_at = time.monotonic() + _PAUSE
+            if not self.warned:
+                self.warned = True
+                _log(f"cannot accept clients ({exc}); pausing {_PAUSE} s each time")
+            return
+        pid, peer_uid = _peer(conn)
+        if peer_uid != self.uid:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.clients[conn] = _Client(pid)
+        self.sel.register(conn, selectors.EVENT_READ)
 
-
-_CHECK = 1.0  # seconds between looks for the slots of messages that no longer exist
-
-
-def _expire(seen: set[str]) -> None:
-    """Give back the slots of messages closed unread; forget names that are gone."""
-    for name in list(seen):
-        if not os.path.exists(segment_path(name)):
-            seen.discard(name)
-            continue
+    def read(self, sock: socket.socket) -> None:
+        client = self.clients[sock]
         try:
-            if expire_transfers(name):
-                _log(f"{name}: its messages were closed unread; freed")
+            data = sock.recv(RECORD * 256)
+        except (BlockingIOError, InterruptedError):
+            return
         except OSError:
-            continue
+            data = b""
+        if not data:
+            self.closed(sock)
+            return
+        buf = client.buf
+        buf += data
+        whole = len(buf) - len(buf) % RECORD
+        for i in range(0, whole, RECORD):
+            op = buf[i : i + 1]
+            name = bytes(buf[i + 1 : i + RECORD]).rstrip(b"\0").decode("ascii", "replace")
+            if not NAME_RE.fullmatch(name):
+                continue
+            if op == b"R":
+                client.holds.add(name)
+                self.seen.add(name)
+            elif op == b"U":
+                client.holds.discard(name)
+        del buf[:whole]
+        if buf[:1] == b"L":  # a query: answer, then close this connection
+            del buf[:]
+            held = {n for c in self.clients.values() for n in c.holds}
+            names = sorted(n for n in held if os.path.exists(segment_path(n)))
+            client.out = "".join(n + "\n" for n in names).encode() + b".\n"
+            self.sel.modify(sock, selectors.EVENT_WRITE)
+            self.write(sock)
+
+    def write(self, sock: socket.socket) -> None:
+        client = self.clients[sock]
+        try:
+            sent = sock.send(client.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            sent = len(client.out)
+        client.out = client.out[sent:]
+        if not client.out:
+            self.closed(sock)
+
+    def closed(self, sock: socket.socket) -> None:
+        """A connection ended: its client lets go now if its process is gone, else once
+        it is (a process that closed the socket may still map what it registered)."""
+        self.sel.unregister(sock)
+        sock.close()
+        client = self.clients.pop(sock)
+        if not client.holds:
+            return
+        if not client.alive():
+            self.let_go(client)
+            return
+        for other in (*self.exiting.values(), *self.polled):  # one watch per process
+            if other.pid == client.pid and other.started == client.started:
+                other.holds |= client.holds
+                return
+        try:
+            pidfd = os.pidfd_open(client.pid)
+        except (AttributeError, OSError):
+            self.polled.append(client)
+            return
+        if not client.alive():  # the pid was not reused between the look and the open
+            os.close(pidfd)
+            self.let_go(client)
+            return
+        self.exiting[pidfd] = client
+        self.sel.register(pidfd, selectors.EVENT_READ)
+
+    def exited(self, pidfd: int) -> None:
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        self.let_go(self.exiting.pop(pidfd))
+
+    def let_go(self, client: _Client) -> None:
+        """A client is gone: remove it from the holders of every name it registered."""
+        for name in client.holds:
+            self.let_go_of(name, client.pid)
+        client.holds.clear()
+
+    def let_go_of(self, name: str, pid: int) -> None:
+        try:
+            held = let_go(name, pid, every=True)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                self.unfinished.append((name, pid))
+            return
+        _log(f"client {pid} gone: {name} {'still held' if held else 'freed'}")
+
+    def check(self) -> None:
+        """Every second: messages closed unread, exits seen without a pidfd, let-gos
+        that failed for lack of descriptors."""
+        for name in list(self.seen):
+            if not os.path.exists(segment_path(name)):
+                self.seen.discard(name)
+                continue
+            try:
+                if expire_transfers(name):
+                    _log(f"{name}: its messages were closed unread; freed")
+            except OSError:
+                continue
+        for client in [c for c in self.polled if not c.alive()]:
+            self.polled.remove(client)
+            self.let_go(client)
+        unfinished, self.unfinished = self.unfinished, []
+        for name, pid in unfinished:
+            self.let_go_of(name, pid)
 
 
 def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
     """Run until no client is left for ``grace`` seconds; returns the names swept then."""
-    clients: dict[socket.socket, _Client] = {}
-    seen: set[str] = set()
-    sel = selectors.DefaultSelector()
-    listener.setblocking(False)
-    sel.register(listener, selectors.EVENT_READ)
-    uid = os.getuid()
-    idle_since: float | None = time.monotonic()
-
-    def drop(sock: socket.socket) -> None:
-        nonlocal idle_since
-        sel.unregister(sock)
-        sock.close()
-        _let_go(clients.pop(sock))
-        if not clients:
-            idle_since = time.monotonic()
-
-    next_check = time.monotonic() + _CHECK
-    while True:
-        timeout = None
-        if not clients:
-            assert idle_since is not None
-            timeout = idle_since + grace - time.monotonic()
-            if timeout <= 0:
-                break
-        if seen:
-            now = time.monotonic()
-            if now >= next_check:
-                _expire(seen)
-                next_check = now + _CHECK
-            timeout = min(timeout, next_check - now) if timeout is not None else next_check - now
-        for key, _ in sel.select(timeout):
-            sock = key.fileobj
-            assert isinstance(sock, socket.socket)
-            if sock is listener:
-                try:
-                    conn, _ = listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                pid, peer_uid = _peer(conn)
-                if peer_uid != uid:
-                    conn.close()
-                    continue
-                conn.setblocking(False)
-                clients[conn] = _Client(pid)
-                sel.register(conn, selectors.EVENT_READ)
-                idle_since = None
-                continue
-            try:
-                data = sock.recv(RECORD * 256)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                drop(sock)
-                continue
-            client = clients[sock]
-            buf = client.buf
-            buf += data
-            whole = len(buf) - len(buf) % RECORD
-            for i in range(0, whole, RECORD):
-                op = buf[i : i + 1]
-                name = bytes(buf[i + 1 : i + RECORD]).rstrip(b"\0").decode("ascii", "replace")
-                if not NAME_RE.fullmatch(name):
-                    continue
-                if op == b"R":
-                    client.holds.add(name)
-                    seen.add(name)
-                elif op == b"U":
-                    client.holds.discard(name)
-            del buf[:whole]
-            if buf[:1] == b"L":
-                held = {n for c in clients.values() for n in c.holds}
-                _answer(sock, [n for n in held if os.path.exists(segment_path(n))])
-                drop(sock)
-    sel.unregister(listener)
-    listener.close()  # new clients now fail to connect and start a daemon of their own
-    sel.close()
-    # Whatever is left of what this tree used (a count a client died too early to take
-    # back) goes if nobody maps or holds it open any more.
-    return [name for name, _ in sweep(seen, young=0.0, creator_dead=False)]
+    return _Daemon(listener, grace).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -676,6 +833,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.fork() > 0:
         os._exit(0)
     os.setsid()
+    _raise_fd_limit()
     _log(f"serving @{args.address}")
     # What a tree killed whole (daemon included) left behind: nobody else will free it.
     sweep()

@@ -160,6 +160,7 @@ class Segment:
         "name",
         "view",
         "reused",
+        "recycled",
         "__array_interface__",
         "_finalizer",
         "__weakref__",
@@ -187,6 +188,7 @@ class Segment:
         self.name = name
         self.view: Any = None  # a weak reference to a uint8 array over it (see _reductions)
         self.reused = False  # a recycled segment handed out again: its pages are in place
+        self.recycled = recycle is not None  # made to carry copies, kept for the next send
         # np.asarray(segment): a uint8 array over the usable bytes whose .base is the segment
         self.__array_interface__ = {
             "shape": (size,),

@@ -19,6 +19,7 @@ from ._version import __version__
 if TYPE_CHECKING:  # pragma: no cover
     from . import context, pool, sharing
     from ._dropin import Process, get_context
+    from ._settings import SettingError
     from .context import (
         ProcessContext,
         ProcessException,
@@ -26,6 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
         ProcessRaisedException,
         ProcessTimeoutError,
         Progress,
+        RayMissingError,
+        RayResourcesError,
         progress,
         spawn,
         start_processes,
@@ -41,6 +44,9 @@ if TYPE_CHECKING:  # pragma: no cover
         get_reusable_executor,
     )
     from .sharing import (
+        ChannelClosed,
+        FdLimitError,
+        SharedMemoryFullError,
         get_all_sharing_strategies,
         get_sharing_strategy,
         set_sharing_strategy,
@@ -56,6 +62,12 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ProcessRaisedException": (".context", "ProcessRaisedException"),
     "ProcessTimeoutError": (".context", "ProcessTimeoutError"),
     "Progress": (".context", "Progress"),
+    "RayMissingError": (".context", "RayMissingError"),
+    "RayResourcesError": (".context", "RayResourcesError"),
+    "SettingError": ("._settings", "SettingError"),
+    "ChannelClosed": (".sharing", "ChannelClosed"),
+    "FdLimitError": (".sharing", "FdLimitError"),
+    "SharedMemoryFullError": (".sharing", "SharedMemoryFullError"),
     "progress": (".context._progress", "progress"),
     "set_forkserver_preload": (".context._forkserver", "set_forkserver_preload"),
     "spawn": (".context", "spawn"),
@@ -79,6 +91,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 _DEFAULT_CONTEXT_METHODS = ("Queue", "JoinableQueue", "SimpleQueue", "Pipe")
 
 __all__ = [
+    "ChannelClosed",
+    "FdLimitError",
     "InitializerError",
     "JoinableQueue",
     "Pipe",
@@ -92,6 +106,10 @@ __all__ = [
     "ProcessTimeoutError",
     "Progress",
     "Queue",
+    "RayMissingError",
+    "RayResourcesError",
+    "SettingError",
+    "SharedMemoryFullError",
     "SimpleQueue",
     "TaskTimeoutError",
     "TerminatedWorkerError",

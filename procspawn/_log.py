@@ -7,16 +7,25 @@ a rank that never logs does not pay for it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-ENABLED = os.environ.get("PROCSPAWN_DEBUG", "") not in ("", "0")
+from . import _settings
+
+ENABLED: bool | None = None  # PROCSPAWN_DEBUG, read at the first log
 _logger: Any = None
+
+
+def enabled() -> bool:
+    """Whether PROCSPAWN_DEBUG is set."""
+    global ENABLED
+    if ENABLED is None:
+        ENABLED = bool(_settings.get("PROCSPAWN_DEBUG"))
+    return ENABLED
 
 
 def debug(text: str, *args: Any) -> None:
     """Log ``text % args`` at DEBUG level when PROCSPAWN_DEBUG is set."""
-    if not ENABLED:
+    if not (ENABLED if ENABLED is not None else enabled()):
         return
     global _logger
     if _logger is None:

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from . import _settings
 from ._version import __version__
 from .sharing._manager_main import PREFIX, SHM_DIR, YOUNG, in_use
 
@@ -237,9 +238,9 @@ def info() -> dict[str, Any]:
         "segments": _segments(),
         "memfd": _memfds(),
         "recycled": {
-            "limit": _recycled.LIMIT,
-            "set": "PROCSPAWN_POOL_BYTES" in os.environ,
-            "idle": _recycled.IDLE,
+            "limit": _recycled.limit(),
+            "set": _settings.get("PROCSPAWN_POOL_BYTES") is not None,
+            "idle": _recycled.idle(),
         },
     }
 

@@ -25,6 +25,7 @@ import time
 import pytest
 
 import procspawn
+from procspawn import _settings
 from procspawn.sharing import _recycled
 
 _PR_SET_CHILD_SUBREAPER = 36
@@ -159,6 +160,13 @@ def _session_setup():
 
 
 @pytest.fixture(autouse=True)
+def settings_read_again():
+    """A test that changed the environment does not leave its settings to the next."""
+    yield
+    _settings.reload()
+
+
+@pytest.fixture(autouse=True)
 def leak_check():
     """Fail a test that leaves a process, a shared segment or a descriptor behind."""
     children, segments, fds, maps = _children(), _segments(), _fds(), _shared_mappings()
@@ -192,7 +200,7 @@ def leak_check():
             pass
     problems = []
     kept = _recycled_kept()
-    if sum(kept.values()) > _recycled.LIMIT or len(kept) > _recycled.MAX_SEGMENTS:
+    if sum(kept.values()) > _recycled.limit() or len(kept) > _recycled.MAX_SEGMENTS:
         problems.append(f"the recycled segments kept exceed their bound: {kept}")
     if new_maps:
         problems.append(f"shared mappings left: {sorted(new_maps)}")

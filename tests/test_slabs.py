@@ -17,7 +17,9 @@ from _helpers import run_script, script_env
 import procspawn as mp
 from procspawn import sharing
 from procspawn.sharing._segment import segment_of
-from procspawn.sharing._slabs import LINGER, THRESHOLD
+from procspawn.sharing._slabs import _linger, threshold
+
+LINGER, THRESHOLD = _linger(), threshold()
 
 
 def _span(array: np.ndarray) -> tuple[int, int]:

@@ -382,11 +382,15 @@ def test_an_open_file_in_args_is_refused_like_the_stdlib(tmp_path):
 
 
 def test_start_method_from_the_environment(monkeypatch):
+    from procspawn import _settings
+
     monkeypatch.setenv("PROCSPAWN_START_METHOD", "fork")
+    _settings.reload("PROCSPAWN_START_METHOD")  # read once: a program that changes it says so
     ctx = mp.spawn(scaled, args=(1,), nprocs=1, join=False)
     assert type(ctx.processes[0]).__name__ == "ForkProcess"
     ctx.join()
     monkeypatch.setenv("PROCSPAWN_START_METHOD", "threads")
+    _settings.reload("PROCSPAWN_START_METHOD")
     with pytest.raises(ValueError, match="PROCSPAWN_START_METHOD='threads'"):
         mp.spawn(scaled, args=(1,), nprocs=1)
 

@@ -12,6 +12,8 @@ if TYPE_CHECKING:  # pragma: no cover
         ProcessExitedException,
         ProcessRaisedException,
         ProcessTimeoutError,
+        RayMissingError,
+        RayResourcesError,
     )
     from ._process_context import ProcessContext
     from ._progress import Progress, progress
@@ -23,6 +25,8 @@ _LAZY = {
     "ProcessExitedException": "._errors",
     "ProcessRaisedException": "._errors",
     "ProcessTimeoutError": "._errors",
+    "RayMissingError": "._errors",
+    "RayResourcesError": "._errors",
     "Progress": "._progress",
     "progress": "._progress",
     "spawn": "._spawn",

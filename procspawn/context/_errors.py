@@ -1,4 +1,4 @@
-"""The exceptions that ``spawn`` and ``ProcessContext.join`` raise."""
+"""The exceptions that ``spawn`` and ``ProcessContext.join`` raise (with ``backend="ray"`` too)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,14 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
             (self.msg, self.error_index, self.pid, self.ranks, self.elapsed),
             {"results": self.results},
         )
+
+
+class RayMissingError(ImportError):
+    """``backend="ray"`` was asked for, but Ray is not installed."""
+
+
+class RayResourcesError(RuntimeError):
+    """The Ray cluster cannot give every rank a CPU (nothing was started)."""
 
 
 def signal_name(signum: int) -> str:

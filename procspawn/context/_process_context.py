@@ -23,8 +23,8 @@ from typing import Any
 
 from .._output import OutputForwarder
 from ..sharing import _pickler
-from ..sharing._fdpass import ChannelClosed, MessageReader
-from ..sharing._limits import FdLimitError
+from ..sharing._fdpass import MessageReader
+from ..sharing._limits import ChannelClosed, FdLimitError
 from ._errors import (
     ProcessException,
     ProcessExitedException,

@@ -34,26 +34,20 @@ from typing import Any
 
 import cloudpickle
 
+from .. import _settings
 from ._errors import (
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
     ProcessTimeoutError,
+    RayMissingError,
+    RayResourcesError,
     unpickled_cause,
 )
 
 _OBJECT_STORE_BYTES = 256 << 20  # a local cluster of our own: a small object store
-_READY_SECONDS = float(os.environ.get("PROCSPAWN_RAY_READY_TIMEOUT", 60))
 _SETTLE_SECONDS = 3.0  # at most, for a placement group's creation under way to finish
 _TICK = 0.2  # seconds between looks while joining, so Ctrl-C is seen promptly
-
-
-class RayMissingError(ImportError):
-    """``backend="ray"`` was asked for, but Ray is not installed."""
-
-
-class RayResourcesError(RuntimeError):
-    """The Ray cluster cannot give every rank a CPU (nothing was started)."""
 
 
 def import_ray() -> Any:
@@ -323,10 +317,11 @@ class RayContext:
         self._done = [False] * nprocs
         self._pids: list[int] = [-1] * nprocs
         self._started = time.monotonic()
-        left = _READY_SECONDS if deadline is None else deadline - time.monotonic()
+        ready = float(_settings.get("PROCSPAWN_RAY_READY_TIMEOUT"))
+        left = ready if deadline is None else deadline - time.monotonic()
         # spawn's own timeout, when it is the tighter bound, makes running out a timeout
-        self._by_timeout = left < _READY_SECONDS
-        wait = min(left, _READY_SECONDS)
+        self._by_timeout = left < ready
+        wait = min(left, ready)
         try:
             cpus = ray.cluster_resources().get("CPU", 0)
             if cpus < nprocs:

@@ -17,7 +17,8 @@ neither read nor changed.
 from __future__ import annotations
 
 import multiprocessing
-import os
+
+from .. import _settings
 
 ENV = "PROCSPAWN_START_METHOD"
 _chosen: str | None = None
@@ -48,7 +49,7 @@ def get_start_method(allow_none: bool = False) -> str:
     """
     if _chosen is not None:
         return _chosen
-    value = os.environ.get(ENV)
+    value = _settings.get(ENV)
     if value:
         return _check(value, f"{ENV}=")
     return default_start_method()

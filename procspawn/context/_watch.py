@@ -23,13 +23,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .. import _settings
 from .._output import OutputForwarder
 from ._errors import signal_name
 
 if TYPE_CHECKING:  # pragma: no cover
     from multiprocessing.process import BaseProcess
 
-_DEFAULT_GRACE_PERIOD = 3.0
 DUPLICATE_SIGINT = 1.0  # seconds within which a second SIGINT is the same Ctrl-C
 
 # (text in a dead child's stderr, what to tell the user)
@@ -56,18 +56,7 @@ OOM_HINT = (
 def default_grace_period() -> float:
     """Seconds a child gets between SIGTERM and SIGKILL (env ``PROCSPAWN_GRACE_PERIOD``,
     default 3)."""
-    value = os.environ.get("PROCSPAWN_GRACE_PERIOD")
-    if value is None:
-        return _DEFAULT_GRACE_PERIOD
-    try:
-        grace = float(value)
-    except ValueError:
-        raise ValueError(
-            f"PROCSPAWN_GRACE_PERIOD must be a number of seconds, got {value!r}"
-        ) from None
-    if grace < 0:
-        raise ValueError(f"PROCSPAWN_GRACE_PERIOD must be >= 0, got {value!r}")
-    return grace
+    return float(_settings.get("PROCSPAWN_GRACE_PERIOD"))
 
 
 def describe_exit(

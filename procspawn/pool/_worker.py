@@ -34,7 +34,8 @@ from typing import Any
 
 from ..context import _posix
 from ..sharing import _pickler
-from ..sharing._fdpass import ChannelClosed, MessageReader, recv_message, send_message
+from ..sharing._fdpass import MessageReader, recv_message, send_message
+from ..sharing._limits import ChannelClosed
 
 APPLY, MAP, STARMAP = 0, 1, 2
 MAIN = "__main__"  # (MAIN, name): the function is __main__'s ``name`` (a forked worker has it)

@@ -53,7 +53,7 @@ from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._arrays import empty, is_shared, share_memory_, trim, zeros
-    from ._limits import FdLimitError, SharedMemoryFullError
+    from ._errors import ChannelClosed, FdLimitError, SharedMemoryFullError
     from ._message import attach_fd, received_fd
     from ._pickler import dumps, loads
     from ._registry import register
@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 _LAZY = {
+    "ChannelClosed": "._limits",
     "FdLimitError": "._limits",
     "Segment": "._segment",
     "SharedMemoryFullError": "._limits",

@@ -31,7 +31,7 @@ import struct
 import time
 from multiprocessing.connection import wait
 
-from ._limits import FdLimitError, raise_fd_limit
+from ._limits import ChannelClosed, FdLimitError, raise_fd_limit
 
 _HEADER = struct.Struct("<4sQI")
 _MAGIC = b"PSPN"
@@ -39,10 +39,6 @@ _MAX_FDS_PER_MSG = 253
 _ANC_SPACE = socket.CMSG_SPACE(_MAX_FDS_PER_MSG * array.array("i").itemsize)
 _FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: IntFlag arithmetic is slow on a hot path
-
-
-class ChannelClosed(EOFError):
-    """The other end of a channel closed before a whole message arrived."""
 
 
 def send_message(sock: socket.socket, data: bytes | memoryview, fds: list[int] = ()) -> None:  # type: ignore[assignment]

@@ -209,7 +209,7 @@ class _KeptNames(_recycled.Kind):
                 quarter = st.f_blocks * st.f_frsize // 4
             except OSError:
                 quarter = 0
-            self._limit = min(_recycled.LIMIT, quarter)
+            self._limit = min(_recycled.limit(), quarter)
         return self._limit
 
     def make(self, capacity: int) -> _recycled.Kept:

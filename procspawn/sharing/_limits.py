@@ -1,4 +1,5 @@
-"""Level 0: reserving space and descriptors up front, and the errors that say what to do."""
+"""Level 0: the errors of sharing, each saying what ran out and what to do (each pickles
+as itself), and reserving space and descriptors up front."""
 
 from __future__ import annotations
 
@@ -62,7 +63,11 @@ class SharedMemoryFullError(OSError):
     """
 
     def __reduce__(self):
-        return (OSError, self.args)
+        return (SharedMemoryFullError, self.args)
+
+
+class ChannelClosed(EOFError):
+    """The other end of a channel closed before a whole message arrived."""
 
 
 def reserve(fd: int, nbytes: int, where: str, free_path: str | None, overhead: int = 0) -> None:
@@ -83,3 +88,12 @@ def reserve(fd: int, nbytes: int, where: str, free_path: str | None, overhead: i
             f"(`docker run --shm-size=...`), send smaller arrays or batches, or switch "
             f"strategy (procspawn.set_sharing_strategy)",
         ) from None
+
+
+__all__ = [
+    "ChannelClosed",
+    "FdLimitError",
+    "SharedMemoryFullError",
+    "raise_fd_limit",
+    "reserve",
+]

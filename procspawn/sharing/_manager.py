@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from .. import _log
+from .. import _log, _settings
 from . import _manager_main, _tree
 from ._tree import tree_address
 
@@ -85,14 +85,15 @@ def _start_daemon(address: str) -> socket.socket | None:
                     "--fd",
                     str(listener.fileno()),
                     "--grace",
-                    str(_manager_main.GRACE),
+                    str(_settings.get("PROCSPAWN_MANAGER_GRACE")),
                     "--address",
                     address,
+                    *(["--debug"] if _log.enabled() else []),
                 ],
                 pass_fds=[listener.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
-                stderr=None if _log.ENABLED else subprocess.DEVNULL,
+                stderr=None if _log.enabled() else subprocess.DEVNULL,
                 close_fds=True,
             )
             proc.wait()  # the middle process exits once the daemon has forked off

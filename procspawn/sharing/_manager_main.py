@@ -53,10 +53,10 @@ RECORD = 64
 SHM_DIR = "/dev/shm"
 PREFIX = "procspawn_"
 NAME_RE = re.compile(r"procspawn_([0-9]{1,10})_[0-9a-f]{16}")
-GRACE = float(os.environ.get("PROCSPAWN_MANAGER_GRACE", "2.0"))
+GRACE = 2.0  # seconds; the client passes PROCSPAWN_MANAGER_GRACE as --grace
 YOUNG = 2.0  # seconds: a segment this young may be between creation and mapping
 _T = TypeVar("_T")
-DEBUG = os.environ.get("PROCSPAWN_DEBUG", "") not in ("", "0")
+DEBUG = False  # --debug: the client passes PROCSPAWN_DEBUG
 
 
 def _log(text: str) -> None:
@@ -826,7 +826,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="the listening socket")
     parser.add_argument("--grace", type=float, default=GRACE)
     parser.add_argument("--address", default="", help="shown by `procspawn info` only")
+    parser.add_argument("--debug", action="store_true", help="log to stderr")
     args = parser.parse_args(argv)
+    global DEBUG
+    DEBUG = args.debug
     listener = socket.socket(fileno=args.fd)
     # Detach: a grandchild in its own session, so neither the starter's Ctrl-C nor its
     # death reaches us, and the starter reaps the short-lived middle process at once.

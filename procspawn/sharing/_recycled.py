@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import socket
@@ -59,6 +60,7 @@ from collections.abc import Callable
 from multiprocessing import util
 from typing import Any
 
+from .. import _settings
 from ._segment import Segment, map_fd
 
 MIN_BYTES = 256 * 1024
@@ -71,6 +73,7 @@ _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
+@functools.cache
 def _default_limit() -> int:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
@@ -81,29 +84,15 @@ def _default_limit() -> int:
     return min(1 << 30, memory // 16)
 
 
-def _from_env(variable: str, default: float, what: str) -> float:
-    value = os.environ.get(variable)
-    if value is None or value == "":
-        return default
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"{variable}={value!r} is not {what}") from None
-    return max(0.0, number)
+def limit() -> int:
+    """The most bytes a process keeps (``PROCSPAWN_POOL_BYTES``, read at first use)."""
+    value = _settings.get("PROCSPAWN_POOL_BYTES")
+    return _default_limit() if value is None else int(value)
 
 
-LIMIT = int(
-    _from_env(
-        "PROCSPAWN_POOL_BYTES",
-        _default_limit(),
-        "a number of bytes (0 turns segment recycling off)",
-    )
-)
-IDLE = _from_env(
-    "PROCSPAWN_POOL_IDLE",
-    5.0,
-    "a number of seconds (how long a recycled segment nobody reuses is kept)",
-)
+def idle() -> float:
+    """Seconds a segment nobody reuses is kept (``PROCSPAWN_POOL_IDLE``)."""
+    return float(_settings.get("PROCSPAWN_POOL_IDLE"))
 
 
 class Kind:
@@ -113,7 +102,7 @@ class Kind:
 
     def limit(self) -> int:
         """Most bytes of this kind to keep."""
-        return LIMIT
+        return limit()
 
     def make(self, capacity: int) -> Kept:
         """A new segment of ``capacity`` usable bytes, mapped read-write."""
@@ -211,7 +200,7 @@ def _watch() -> None:
     """Start the thread that gives back idle segments, unless it runs (with _lock held;
     never from a GC callback, which may fire inside the threading module's own locks)."""
     global _keeper
-    if _keeper is None and IDLE > 0:
+    if _keeper is None and idle() > 0:
         _keeper = threading.Thread(target=_give_back_idle, name="procspawn-recycled", daemon=True)
         _keeper.start()
 
@@ -277,13 +266,14 @@ def _take_returned() -> None:
 
 def _room(kept: Kept) -> bool:
     """Make room for ``kept``, dropping the oldest kept first; False if it cannot fit."""
-    limit = kept.kind.limit()
-    if kept.length > limit:
+    most = kept.kind.limit()
+    if kept.length > most:
         return False
     name = kept.kind.name
-    while _kept and (sum(_kept_bytes.values()) + kept.length > LIMIT or len(_kept) >= MAX_SEGMENTS):
+    total = limit()
+    while _kept and (sum(_kept_bytes.values()) + kept.length > total or len(_kept) >= MAX_SEGMENTS):
         _drop(next(iter(_kept)))
-    while _kept_bytes[name] + kept.length > limit:
+    while _kept_bytes[name] + kept.length > most:
         _drop(next(a for a, k in _kept.items() if k.kind.name == name))
     return True
 
@@ -326,13 +316,13 @@ def _give_back_idle() -> None:
         with _lock:
             _take_returned()
             now = time.monotonic()
-            for address in [a for a, k in _kept.items() if now - k.since >= IDLE]:
+            for address in [a for a, k in _kept.items() if now - k.since >= idle()]:
                 _drop(address)
             if not _kept and not _out:  # nothing kept, nothing out that may come back
                 _keeper = None
                 return
             oldest = min((k.since for k in _kept.values()), default=now)
-        time.sleep(max(oldest + IDLE - now, 0.0) + 0.01)
+        time.sleep(max(oldest + idle() - now, 0.0) + 0.01)
 
 
 def trim() -> int:
@@ -412,8 +402,8 @@ class _Memfds(Kind):
 
     def limit(self) -> int:
         if self._usable is None:
-            self._usable = LIMIT > 0 and _self_test()
-        return LIMIT if self._usable else 0
+            self._usable = limit() > 0 and _self_test()
+        return limit() if self._usable else 0
 
     def make(self, capacity: int) -> Kept:
         first = os.memfd_create("procspawn", os.MFD_CLOEXEC)

@@ -27,12 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import _settings
 from . import _handles, _message, _registry
 from ._ndarray import array_over, copy_to_segment, layout
 from ._segment import segment_of
-
-INLINE_BYTES = int(os.environ.get("PROCSPAWN_INLINE_BYTES", 65536))
-
 
 # -- procspawn channels --------------------------------------------------------------------
 
@@ -40,7 +38,11 @@ INLINE_BYTES = int(os.environ.get("PROCSPAWN_INLINE_BYTES", 65536))
 def _reduce_ndarray(array: np.ndarray) -> Any:
     found = segment_of(array)
     if found is None:
-        if array.dtype.hasobject or array.size == 0 or array.nbytes < INLINE_BYTES:
+        if (
+            array.dtype.hasobject
+            or array.size == 0
+            or array.nbytes < _settings.get("PROCSPAWN_INLINE_BYTES")
+        ):
             return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         array = copy_to_segment(array, for_send=True)
         found = segment_of(array)

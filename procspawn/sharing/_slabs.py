@@ -30,19 +30,32 @@ import threading
 import time
 import weakref
 
+from .. import _settings
 from . import _strategy
 from ._segment import Block, Segment
 
-THRESHOLD = int(os.environ.get("PROCSPAWN_SLAB_THRESHOLD", 256 * 1024))
-SLAB_BYTES = max(int(os.environ.get("PROCSPAWN_SLAB_BYTES", 4 << 20)), 4 * THRESHOLD)
 _ALIGN = 64
 
-LINGER = float(os.environ.get("PROCSPAWN_SLAB_LINGER", 1.0))
+
+def threshold() -> int:
+    """Arrays under this many bytes are carved from slabs (``PROCSPAWN_SLAB_THRESHOLD``)."""
+    return int(_settings.get("PROCSPAWN_SLAB_THRESHOLD"))
+
+
+def _slab_bytes() -> int:
+    return max(int(_settings.get("PROCSPAWN_SLAB_BYTES")), 4 * threshold())
+
+
+def _linger() -> float:
+    return float(_settings.get("PROCSPAWN_SLAB_LINGER"))
+
 
 # strategy name -> (the slab being filled, held weakly; the next free offset in it)
 _filling: dict[str, tuple[weakref.ref[Segment], int]] = {}
 _lock = threading.Lock()
-_held: dict[str, Segment] = {}  # the same slabs, held until LINGER after the last carve
+_held: dict[
+    str, Segment
+] = {}  # the same slabs, held until PROCSPAWN_SLAB_LINGER after the last carve
 _last_carve = 0.0
 _keeper: threading.Thread | None = None
 
@@ -51,7 +64,7 @@ def carve(nbytes: int) -> Block | None:
     """A Block of ``nbytes`` zeroed bytes in a slab, or None when the array should get a
     segment of its own (too large, empty, slabs off, or a strategy not built in)."""
     global _last_carve, _keeper
-    if not 0 < nbytes < THRESHOLD:
+    if not 0 < nbytes < threshold():
         return None
     name = _strategy.get_sharing_strategy()
     if name not in _strategy.BUILTIN:
@@ -62,7 +75,7 @@ def carve(nbytes: int) -> Block | None:
         if entry is not None:
             slab, free = entry[0](), entry[1]
         if slab is None or free + nbytes > slab.size:
-            slab, free = _strategy.allocate(SLAB_BYTES), 0
+            slab, free = _strategy.allocate(_slab_bytes()), 0
         _filling[name] = (weakref.ref(slab), -(-(free + nbytes) // _ALIGN) * _ALIGN)
         _held[name] = slab
         _last_carve = time.monotonic()
@@ -74,17 +87,17 @@ def carve(nbytes: int) -> Block | None:
 
 
 def _let_go_when_idle() -> None:
-    """Hold the slabs being filled until LINGER passed without a carve, then stop."""
+    """Hold the slabs being filled until PROCSPAWN_SLAB_LINGER passed without a carve, then stop."""
     global _keeper
     while True:
         with _lock:
             idle = time.monotonic() - _last_carve
-            if idle >= LINGER:
+            if idle >= _linger():
                 released = list(_held.values())
                 _held.clear()
                 _keeper = None
                 break
-        time.sleep(LINGER - idle + 0.01)
+        time.sleep(_linger() - idle + 0.01)
     del released  # outside the lock: the last reference may unmap the slab
 
 

@@ -15,7 +15,7 @@ import threading
 import warnings
 from typing import Any
 
-from .. import _log
+from .. import _log, _settings
 from . import _mapcache, _recycled, _registry
 from ._limits import FdLimitError, SharedMemoryFullError
 from ._segment import Segment
@@ -121,7 +121,7 @@ def get_all_sharing_strategies() -> set[str]:
 
 
 def _default() -> str:
-    name = os.environ.get(_ENV)
+    name = _settings.get(_ENV)
     if name:
         if name not in get_all_sharing_strategies():
             raise ValueError(
@@ -166,7 +166,7 @@ def snapshot() -> dict[str, Any]:
     return {
         "strategy": name,
         "custom": None if name in BUILTIN else _strategies[name],
-        "explicit": _explicit or bool(os.environ.get(_ENV)),
+        "explicit": _explicit or _settings.get(_ENV) is not None,
     }
 
 
@@ -198,7 +198,9 @@ def allocate(nbytes: int, for_copy: bool = False) -> Segment:
     _registry.load_plugins()  # its arrays may go through any channel, the stdlib's too
     global _short
     strategy = current()
-    may_fall_back = strategy.name == "file_descriptor" and not (_explicit or os.environ.get(_ENV))
+    may_fall_back = strategy.name == "file_descriptor" and not (
+        _explicit or _settings.get(_ENV) is not None
+    )
     fell_back = may_fall_back and _short and _fds_short()
     if fell_back:
         segment = _fall_back(nbytes, for_copy)

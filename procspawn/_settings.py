@@ -1,0 +1,209 @@
+"""Level 0: every ``PROCSPAWN_*`` environment variable procspawn reads, in one table.
+
+Each has a type, a default and a meaning (the README's table is checked against this
+one). A variable is read once, the first time procspawn needs it, not at import: a bad
+value fails the call that uses it, with a ``SettingError`` that names the variable and a
+value it accepts. An empty variable counts as unset. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class SettingError(ValueError):
+    """A ``PROCSPAWN_*`` environment variable has a value procspawn cannot use."""
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_BYTES = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+_FLAGS = {"": False, "0": False, "false": False, "no": False, "off": False}
+_FLAGS.update({"1": True, "true": True, "yes": True, "on": True})
+
+
+def _bytes(text: str) -> int:
+    match = _BYTES.fullmatch(text)
+    if match is None:
+        raise ValueError("a number of bytes, as in 65536, 64k, 4M or 1G (binary units)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise ValueError("a number of seconds, 0 or more, as in 2.5")
+    return value
+
+
+def _flag(text: str) -> bool:
+    try:
+        return _FLAGS[text.strip().lower()]
+    except KeyError:
+        raise ValueError("1 or 0 (or true/false, yes/no, on/off)") from None
+
+
+def _name(text: str) -> str:
+    return text.strip()
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "bytes": _bytes,
+    "seconds": _seconds,
+    "flag": _flag,
+    "name": _name,
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: its name, type, default and meaning."""
+
+    name: str
+    kind: str  # "bytes", "seconds", "flag" or "name"
+    default: Any  # the value when unset; None: the reader's own default (``shown``)
+    meaning: str
+    shown: str = ""  # the default as the README shows it, when not the value itself
+
+    def parse(self, text: str) -> Any:
+        try:
+            return _PARSERS[self.kind](text)
+        except ValueError as exc:
+            raise SettingError(f"{self.name}={text!r} is not valid: use {exc}") from None
+
+    def default_text(self) -> str:
+        return self.shown or ("unset" if self.kind == "flag" else f"`{self.default}`")
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting(
+            "PROCSPAWN_SHARING_STRATEGY",
+            "name",
+            None,
+            "the default sharing strategy",
+            "`file_descriptor` on Linux",
+        ),
+        Setting(
+            "PROCSPAWN_START_METHOD",
+            "name",
+            None,
+            "the default start method (`forkserver`, `spawn`, `fork`) of `spawn`, "
+            "`start_processes`, `Pool`, the executors and `Process`, unless "
+            "`procspawn.set_start_method` was called",
+            "`forkserver`",
+        ),
+        Setting(
+            "PROCSPAWN_GRACE_PERIOD",
+            "seconds",
+            3.0,
+            "seconds between SIGTERM (or SIGINT) and SIGKILL for the ranks left after a "
+            "failure, a timeout or Ctrl-C; `procspawn run` uses it too, and the pools for "
+            "the workers they stop (Ctrl-C, `terminate()`)",
+            "`3`",
+        ),
+        Setting(
+            "PROCSPAWN_INLINE_BYTES",
+            "bytes",
+            65536,
+            "unshared arrays smaller than this are pickled inline (`64k` works too)",
+        ),
+        Setting(
+            "PROCSPAWN_POOL_BYTES",
+            "bytes",
+            None,
+            "the most a process keeps as recycled segments (`0`: off; `file_system` "
+            "segments also at most a quarter of `/dev/shm`)",
+            "a sixteenth of its memory, at most 1 GiB",
+        ),
+        Setting(
+            "PROCSPAWN_POOL_IDLE",
+            "seconds",
+            5.0,
+            "seconds the pool keeps a segment nobody reuses",
+            "`5`",
+        ),
+        Setting(
+            "PROCSPAWN_SLAB_THRESHOLD",
+            "bytes",
+            262144,
+            "arrays smaller than this are carved out of slabs (`0`: off)",
+        ),
+        Setting(
+            "PROCSPAWN_SLAB_BYTES",
+            "bytes",
+            4194304,
+            "the size of a slab (at least four times the threshold)",
+        ),
+        Setting(
+            "PROCSPAWN_SLAB_LINGER",
+            "seconds",
+            1.0,
+            "seconds the slab being filled is held after the last small array was made",
+            "`1`",
+        ),
+        Setting(
+            "PROCSPAWN_RAY_READY_TIMEOUT",
+            "seconds",
+            60.0,
+            'with `backend="ray"`: seconds to wait for the cluster to reserve every '
+            "rank's CPU and start the actors",
+            "`60`",
+        ),
+        Setting(
+            "PROCSPAWN_MANAGER_GRACE",
+            "seconds",
+            2.0,
+            "seconds the cleanup daemon waits for a new client once the last has gone",
+        ),
+        Setting(
+            "PROCSPAWN_DEBUG",
+            "flag",
+            False,
+            "`1`: log allocations, frees and daemon events to stderr (`procspawn` logger)",
+        ),
+    ]
+}
+
+_values: dict[str, Any] = {}
+_lock = threading.Lock()
+
+
+def get(name: str) -> Any:
+    """The value of setting ``name``: read and checked the first time, then kept.
+
+    Raises:
+        SettingError: the variable is set to something its type does not accept.
+    """
+    try:
+        return _values[name]
+    except KeyError:
+        pass
+    setting = SETTINGS[name]
+    text = os.environ.get(name, "")
+    value = setting.default if text == "" else setting.parse(text)
+    with _lock:
+        return _values.setdefault(name, value)
+
+
+def reload(*names: str) -> None:
+    """Read ``names`` (default: all) again at next use: for a program (or test) that
+    changes its own environment after procspawn read it."""
+    with _lock:
+        for name in names or list(_values):
+            _values.pop(name, None)
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables."""
+    rows = ["| variable | meaning | default |", "|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.meaning} | {s.default_text()} |" for s in SETTINGS.values()]
+    return "\n".join(rows)

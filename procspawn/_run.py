@@ -503,7 +503,11 @@ class _Launcher:
             status = code if 1 <= code <= 255 else 1
         lines = [f"procspawn run: rank {rank} (pid {p.pid}) {how}"]
         traceback = _traceback(output.tail(rank))
-        if traceback is not None:
+        if traceback is not None and (self.opts.shown is None or rank in self.opts.shown):
+            # shown as it came: its last line here, not the whole of it a second time
+            last = traceback.splitlines()[-1]
+            lines += [f"rank {rank} raised {last} (its traceback is above, as [rank {rank}])"]
+        elif traceback is not None:
             lines += [f"rank {rank} traceback:", traceback]
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()

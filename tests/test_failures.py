@@ -203,3 +203,44 @@ def test_ctrl_c_in_parent_stops_children_and_reraises(tmp_path, start_method):
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in stderr
     assert _wait_gone(pids, 1.0) == []
+
+
+MAIN_SCRIPT_ERROR = """
+import sys
+import procspawn as mp
+
+
+def helper(x):
+    return 1 / x
+
+
+def work(rank):
+    return helper(rank)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "spawn":
+        mp.spawn(work, nprocs=1)
+    else:
+        with mp.Pool(1) as pool:
+            pool.apply(work, (0,))
+"""
+
+
+@pytest.mark.parametrize("how", ["spawn", "pool"])
+def test_a_remote_traceback_shows_the_main_script_s_file_and_lines(tmp_path, how):
+    # Functions of the main script travel by value; their traceback in the parent still
+    # names the script's file and shows its lines, as without procspawn.
+    script = tmp_path / "main_script.py"
+    script.write_text(MAIN_SCRIPT_ERROR)
+    result = subprocess.run(
+        [sys.executable, str(script), how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=script_env(),
+    )
+    assert result.returncode == 1
+    assert "<dynamic-code>" not in result.stderr
+    assert f'File "{script}", line 7, in helper\n    return 1 / x' in result.stderr, result.stderr
+    assert f'File "{script}", line 11, in work\n    return helper(rank)' in result.stderr

@@ -358,6 +358,8 @@ def test_ctrl_c_gives_one_traceback_and_leaves_nothing(kind, start_method):
             proc.wait()
     assert err.count("Traceback") == 1, err
     assert err.rstrip().endswith("KeyboardInterrupt"), err
+    frames = [line for line in err.splitlines() if line.startswith('  File "')]
+    assert len([f for f in frames if "/procspawn/" in f]) <= 1, err  # not our waiting loops
     deadline = time.monotonic() + 10
     while _group_alive(proc.pid):
         assert time.monotonic() < deadline, f"left alive: {_group_alive(proc.pid)}"

@@ -259,6 +259,10 @@ def test_double_ctrl_c_gives_one_traceback_and_runs_finally_blocks(tmp_path):
     parent_tracebacks = [line for line in err.splitlines() if line.startswith("KeyboardInterrupt")]
     assert len(parent_tracebacks) == 1, err
     assert "_stop_all" not in err and "_sigint_held" not in err, err
+    # the traceback shows the user's line, and one line of procspawn's at most
+    frames = [line for line in err.splitlines() if line.startswith('  File "')]
+    assert frames[0].startswith('  File "<string>", line 14, in <module>'), err  # the call
+    assert len([f for f in frames if "/procspawn/" in f]) <= 1, err
 
 
 # -- progress -----------------------------------------------------------------------------
@@ -277,6 +281,33 @@ def test_progress_counts_by_rank(start_method):
         pass
     assert ctx.progress.counts == [250, 250]
     assert ctx.progress.count == 500
+
+
+def _count_from_threads(rank, threads, steps):
+    import threading
+
+    def count():
+        for _ in range(steps):
+            mp.progress()
+
+    workers = [threading.Thread(target=count) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+
+
+def test_progress_from_many_threads_of_a_rank_loses_no_count():
+    ctx = mp.spawn(
+        _count_from_threads,
+        args=(4, 20_000),
+        nprocs=1,
+        join=False,
+        progress=mp.Progress(show=False),
+    )
+    while not ctx.join(timeout=30):
+        pass
+    assert ctx.progress.count == 80_000
 
 
 def test_progress_without_a_parent_request_is_a_no_op():

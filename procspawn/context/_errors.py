@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import signal
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class ProcessException(Exception):
@@ -101,6 +105,21 @@ class RayMissingError(ImportError):
 
 class RayResourcesError(RuntimeError):
     """The Ray cluster cannot give every rank a CPU (nothing was started)."""
+
+
+def ctrl_c_in_caller(call: _F) -> _F:
+    """For a public call that waits: a Ctrl-C while it waits (its processes already
+    stopped by the code that caught it) ends in a traceback of the caller's frames and
+    this one line, not procspawn's waiting loops."""
+
+    @functools.wraps(call)
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except KeyboardInterrupt as interrupt:
+            raise interrupt.with_traceback(None) from None  # Ctrl-C while procspawn waited
+
+    return waiting  # type: ignore[return-value]
 
 
 def signal_name(signum: int) -> str:

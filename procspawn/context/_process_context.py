@@ -30,6 +30,7 @@ from ._errors import (
     ProcessExitedException,
     ProcessRaisedException,
     ProcessTimeoutError,
+    ctrl_c_in_caller,
     unpickled_cause,
 )
 from ._progress import Progress
@@ -150,6 +151,7 @@ class ProcessContext:
         self._watcher.wake()
         self._stop_all(self._grace(grace_period))
 
+    @ctrl_c_in_caller
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for the ranks.
 

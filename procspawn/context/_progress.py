@@ -3,7 +3,8 @@
 Who holds what: the parent allocates one small shared array (a cache line of int64 per
 rank, so ranks never write the same line) when ``spawn(..., progress=...)`` asks for it;
 it travels to the ranks with the spawn payload. In a rank, ``procspawn.progress(n)`` adds
-``n`` to its own slot: one memory write, no lock (one writer per slot), no message. The
+``n`` to its own slot: one memory write under a lock of the rank's own (its threads may
+all count; the parent only reads), no message. The
 parent sums the slots while it joins and renders a bar: tqdm when it is installed, a plain
 one-line display otherwise, and nothing when stderr is not a terminal unless asked.
 Without ``progress=`` nothing is allocated and ``procspawn.progress`` returns at once.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -22,17 +24,27 @@ _INTERVAL_LOG = 5.0  # ... and between lines when output is not a terminal (show
 
 # In a rank: (the counters as a memoryview of int64, this rank's index), set by the worker.
 _counter: tuple[Any, int] | None = None
+_lock = threading.Lock()  # a read-add-write of the slot is not atomic between threads
 
 
 def progress(n: int = 1) -> None:
     """Add ``n`` to this rank's progress counter (a no-op unless the parent asked for it).
 
-    Call it from one thread of the rank: the counter has one writer and no lock.
+    Any thread of the rank may call it.
     """
     counter = _counter
     if counter is not None:
         view, index = counter
-        view[index] += n
+        with _lock:
+            view[index] += n
+
+
+def _reset_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def attach(counters: Any, rank: int) -> None:

@@ -30,6 +30,7 @@ from .._output import OutputForwarder
 from ..sharing import _pickler
 from ..sharing._startup import StartupMessage
 from . import _worker
+from ._errors import ctrl_c_in_caller
 from ._launch import parent_death_signal_is_safe, start_child
 from ._process_context import ProcessContext
 from ._progress import as_progress
@@ -130,6 +131,7 @@ def _raise_pickling_error(
     ) from exc
 
 
+@ctrl_c_in_caller
 def start_processes(
     fn: Any,
     args: tuple[Any, ...] = (),
@@ -336,6 +338,7 @@ def _start_rank(
         child_end.close()
 
 
+@ctrl_c_in_caller
 def spawn(
     fn: Any,
     args: tuple[Any, ...] = (),

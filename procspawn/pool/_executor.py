@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, as_progress
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
@@ -34,6 +35,8 @@ class Future(_cf.Future):
     ``cancel()`` keeps its meaning (it succeeds only before the call starts)."""
 
     _procspawn_kill: Callable[[], None] | None = None
+    result = ctrl_c_in_caller(_cf.Future.result)
+    exception = ctrl_c_in_caller(_cf.Future.exception)
 
     def kill(self) -> bool:
         """Stop this call now, whatever its state but done.
@@ -268,6 +271,7 @@ class ProcessPoolExecutor(_cf.Executor):
                 )
         return _results(list(futures), end_time, shown)
 
+    @ctrl_c_in_caller
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Take no more calls; the workers exit once the calls given are done.
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing import TimeoutError as _MpTimeoutError
 from typing import Any
 
+from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, as_progress
 from ..context._start_method import get_start_method
 from . import _worker
@@ -92,9 +93,11 @@ class ApplyResult:
             raise ValueError(f"{self!r} not ready")
         return self._success
 
+    @ctrl_c_in_caller
     def wait(self, timeout: float | None = None) -> None:
         self._event.wait(timeout)
 
+    @ctrl_c_in_caller
     def get(self, timeout: float | None = None) -> Any:
         """The task's return value; raises what it raised (or how its worker died).
 
@@ -232,6 +235,7 @@ class IMapIterator:
     def __iter__(self) -> IMapIterator:
         return self
 
+    @ctrl_c_in_caller
     def next(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         progress = self._progress
@@ -428,6 +432,7 @@ class Pool:
 
     # -- calls -------------------------------------------------------------------------------
 
+    @ctrl_c_in_caller
     def apply(self, func: Callable[..., Any], args: Iterable[Any] = (), kwds: dict | None = None):
         """``func(*args, **kwds)`` in a worker; waits for it and returns its value."""
         return self.apply_async(func, args, kwds).get()
@@ -448,6 +453,7 @@ class Pool:
         self._dispatcher.submit([Task(job, 0, _worker.APPLY, (tuple(args), dict(kwds or {})))])
         return result
 
+    @ctrl_c_in_caller
     def map(
         self,
         func: Callable[[Any], Any],
@@ -462,6 +468,7 @@ class Pool:
         finished items while the call waits (its total: the number of items)."""
         return self._map_async(func, iterable, _worker.MAP, chunksize, progress=progress).get()
 
+    @ctrl_c_in_caller
     def starmap(
         self,
         func: Callable[..., Any],
@@ -611,6 +618,7 @@ class Pool:
         self._state = "TERMINATE"
         self._dispatcher.terminate()
 
+    @ctrl_c_in_caller
     def join(self) -> None:
         """Wait for the workers to exit, after ``close()`` or ``terminate()``."""
         if self._state == "RUN":

@@ -170,7 +170,7 @@ def _cloud_picklers() -> tuple[type, type]:
 
             dispatch_table = ChainMap(
                 _registry.reducers,
-                {io.TextIOWrapper: _reduce_text_file},
+                {io.TextIOWrapper: _reduce_text_file, types.CodeType: _reduce_code},
                 ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
                 getattr(cloudpickle.Pickler, "dispatch_table", copyreg.dispatch_table),
             )
@@ -199,6 +199,19 @@ def _cloud_picklers() -> tuple[type, type]:
 
         _cloud = (Pickler, DeferringPickler)
     return _cloud
+
+
+def _reduce_code(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a function's code, keeping its file name (cloudpickle
+    writes "<dynamic-code>"): a traceback in the receiver then shows the user's file and
+    line, and the line itself when the file is there, as it would without procspawn."""
+    import cloudpickle
+
+    table = getattr(cloudpickle.Pickler, "dispatch_table", {})
+    rebuild, args = table[types.CodeType](code)
+    dynamic = "<dynamic-code>"
+    args = tuple(code.co_filename if isinstance(a, str) and a == dynamic else a for a in args)
+    return rebuild, args
 
 
 def _reduce_text_file(obj: io.TextIOWrapper) -> Any:

@@ -23,6 +23,15 @@ last (SIGKILL), and then nothing at all may be left.
 
     python tests/torture.py --rounds 1000 [--seed N] [--json out.json] [--long-lived-parent]
 
+With ``--matrix`` it runs the crash matrix instead (tests/_crash_cells.py: where a rank or
+a pool worker dies x how), round after round for ``--minutes``, in this one process, the
+sharing strategy alternating by round, a file_system array of its own held throughout:
+each cell's error must come within 2 s, nothing may be left 2 s after it (processes,
+/dev/shm, descriptors, mappings), no cell may hang (``--hang-after``), and the cleanup
+daemon that served at the start must be the one serving at the end.
+
+    python tests/torture.py --matrix --minutes 60 [--json out.json]
+
 The test suite runs a short version (tests/test_torture.py).
 """
 
@@ -369,6 +378,77 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
     return results + [last]
 
 
+def _daemon_pids(address: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if address.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def run_matrix(minutes: float, hang_after: float, json_path: str | None) -> int:
+    """The crash matrix for ``minutes``; prints the figures, returns 0 if all was well."""
+    import _crash_cells as cells
+
+    import procspawn as mp
+    from procspawn import sharing
+    from procspawn.sharing import _manager
+
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
+
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError(f"a cell ran past {hang_after} s")
+
+    signal.signal(signal.SIGALRM, hung)
+    mp.set_sharing_strategy("file_system")
+    own = sharing.zeros(1000)  # held throughout: the daemon has a client the whole time
+    address = _manager.ensure()
+    daemons = _daemon_pids(address)
+    cells.run_cell("in_fn", "exception")  # starts what lives on: the fork server, trackers
+    totals = {"rounds": 0, "cells": 0, "leaks": 0, "orphans": 0, "hangs": 0, "wrong": 0}
+    bad = []
+    started = time.monotonic()
+    strategies = ["file_descriptor", "file_system"]
+    while time.monotonic() - started < minutes * 60:
+        strategy = strategies[totals["rounds"] % 2]
+        mp.set_sharing_strategy(strategy)
+        for where in cells.WHERE:
+            for how in cells.HOW:
+                before = cells.snapshot()
+                signal.alarm(int(hang_after))
+                try:
+                    error, seconds = cells.run_cell(where, how)
+                    wrong = seconds > 2.0
+                except TimeoutError:
+                    totals["hangs"] += 1
+                    error, seconds, wrong = None, hang_after, True
+                finally:
+                    signal.alarm(0)
+                left = cells.left_after(before, 2.0)
+                totals["cells"] += 1
+                totals["orphans"] += int(any(s.startswith("processes") for s in left))
+                totals["leaks"] += int(any(not s.startswith("processes") for s in left))
+                totals["wrong"] += int(wrong)
+                if left or wrong:
+                    bad.append({"strategy": strategy, "where": where, "how": how,
+                                "error": getattr(error, "__name__", None),
+                                "seconds": round(seconds, 2), "left": left})  # fmt: skip
+        totals["rounds"] += 1
+    same_daemon = _daemon_pids(address) == daemons and len(daemons) == 1
+    del own
+    figures = {"mode": "crash matrix", **totals, "same_daemon": same_daemon,
+               "seconds": round(time.monotonic() - started, 1), "bad_cells": bad[:50]}  # fmt: skip
+    print(json.dumps(figures, indent=2))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0 if not bad and same_daemon else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -380,7 +460,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one parent over every round, /dev/shm checked while it lives",
     )
+    parser.add_argument("--matrix", action="store_true", help="run the crash matrix")
+    parser.add_argument("--minutes", type=float, default=1.0, help="--matrix: how long")
     args = parser.parse_args(argv)
+    if args.matrix:
+        return run_matrix(args.minutes, args.hang_after, args.json)
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER

@@ -36,13 +36,11 @@ from ._segment import segment_of
 
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
+    if array.size == 0:  # no bytes to share (and a reversed empty view points past its block)
+        return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     found = segment_of(array)
     if found is None:
-        if (
-            array.dtype.hasobject
-            or array.size == 0
-            or array.nbytes < _settings.get("PROCSPAWN_INLINE_BYTES")
-        ):
+        if array.dtype.hasobject or array.nbytes < _settings.get("PROCSPAWN_INLINE_BYTES"):
             return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         array = copy_to_segment(array, for_send=True)
         found = segment_of(array)
@@ -77,7 +75,7 @@ _BUILTIN_ONLY = ("file_descriptor", "file_system")
 
 def _reduce_for_stdlib(array: np.ndarray) -> Any:
     found = segment_of(array)
-    if found is None or found[0].strategy not in _BUILTIN_ONLY:
+    if found is None or found[0].strategy not in _BUILTIN_ONLY or array.size == 0:
         return array.__reduce_ex__(_NUMPY_PROTOCOL)
     segment, offset, block = found
     state = _message.SendState()

@@ -378,7 +378,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
     return results + [last]
 
 
-def _daemon_pids(address: str) -> list[int]:
+def _daemons_at(address: str) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -407,7 +407,7 @@ def run_matrix(minutes: float, hang_after: float, json_path: str | None) -> int:
     mp.set_sharing_strategy("file_system")
     own = sharing.zeros(1000)  # held throughout: the daemon has a client the whole time
     address = _manager.ensure()
-    daemons = _daemon_pids(address)
+    daemons = _daemons_at(address)
     cells.run_cell("in_fn", "exception")  # starts what lives on: the fork server, trackers
     totals = {"rounds": 0, "cells": 0, "leaks": 0, "orphans": 0, "hangs": 0, "wrong": 0}
     bad = []
@@ -438,7 +438,7 @@ def run_matrix(minutes: float, hang_after: float, json_path: str | None) -> int:
                                 "error": getattr(error, "__name__", None),
                                 "seconds": round(seconds, 2), "left": left})  # fmt: skip
         totals["rounds"] += 1
-    same_daemon = _daemon_pids(address) == daemons and len(daemons) == 1
+    same_daemon = _daemons_at(address) == daemons and len(daemons) == 1
     del own
     figures = {"mode": "crash matrix", **totals, "same_daemon": same_daemon,
                "seconds": round(time.monotonic() - started, 1), "bad_cells": bad[:50]}  # fmt: skip

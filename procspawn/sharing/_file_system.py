@@ -17,8 +17,8 @@ the name is gone, the receiver maps the memory all the same and keeps the descri
 a memfd segment does. A message carries at most ``FDS_PER_MESSAGE`` descriptors: further
 segments (a batch of hundreds) travel by name only, counted apart, and sweeps leave
 those alone. Counts have no limit: a backlog of any length can wait for a slow consumer.
-A message that is never received keeps its slots' names until the tree's daemon exits
-(or ``procspawn cleanup``).
+The by-name part of a message that is never received stays until ``procspawn cleanup``:
+nothing tells the daemon that such a message is gone.
 
 The cleanup daemon (``_manager``) knows which process holds which name: a process
 registers a name before it creates or maps it, and the daemon removes a dead process from
@@ -112,11 +112,13 @@ def _open_for_message(name: str, share: bool) -> int:
         else:
             _marked.move_to_end(name)
         try:
-            return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+            mine = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 raise FdLimitError(f"shared segment {name} could not be sent") from None
             raise
+    _forget_later()
+    return mine
 
 
 # Whether a message is alive is the lock its description carries (``mark_message``), and
@@ -128,13 +130,26 @@ def _open_for_message(name: str, share: bool) -> int:
 _MARKED = 4
 _marked: collections.OrderedDict[str, int] = collections.OrderedDict()
 _marked_lock = threading.Lock()
+_to_forget: collections.deque[str] = collections.deque()
 
 
 def _forget_marked(name: str) -> None:
-    with _marked_lock:
-        fd = _marked.pop(name, None)
-    if fd is not None:
-        os.close(fd)
+    """This process let go of ``name``: close its marked description. A release may run
+    from the garbage collector inside ``_open_for_message`` on this very thread, so it
+    never waits for the lock: it leaves the name for the holder of the lock."""
+    _to_forget.append(name)
+    _forget_later()
+
+
+def _forget_later() -> None:
+    while _to_forget and _marked_lock.acquire(blocking=False):
+        try:
+            while _to_forget:
+                fd = _marked.pop(_to_forget.popleft(), None)
+                if fd is not None:
+                    os.close(fd)
+        finally:
+            _marked_lock.release()
 
 
 def _open(name: str) -> int:
@@ -157,6 +172,7 @@ def _after_fork_in_child() -> None:
     for fd in _marked.values():
         os.close(fd)  # the parent's messages' mark: a child's copy would keep them alive
     _marked.clear()
+    _to_forget.clear()
     _marked_lock = threading.Lock()
 
 
@@ -164,8 +180,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _message_slot(name: str, fd: int, kind: str, state: _message.SendState) -> None:
-    """Give the message a slot of its own among the holders, for its receiver to take
-    over; a message that is never sent gives it back."""
+    """Count the message in the segment's table, for its receiver to turn into a slot
+    of its own; a message that is never sent takes its count back."""
     if not hold(name, fd, kind):
         raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed meanwhile")
     state.on_abandon.append(lambda: drop_inflight(name, kind))

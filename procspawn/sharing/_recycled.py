@@ -310,19 +310,21 @@ def _drop(address: int) -> None:
 
 
 def _give_back_idle() -> None:
-    """Give back what nobody reused for IDLE seconds; stop once nothing is kept or out."""
+    """Give back what nobody reused for PROCSPAWN_POOL_IDLE seconds; stop once nothing is
+    kept or out."""
     global _keeper
     while True:
         with _lock:
             _take_returned()
             now = time.monotonic()
-            for address in [a for a, k in _kept.items() if now - k.since >= idle()]:
+            keep_for = idle()
+            for address in [a for a, k in _kept.items() if now - k.since >= keep_for]:
                 _drop(address)
             if not _kept and not _out:  # nothing kept, nothing out that may come back
                 _keeper = None
                 return
             oldest = min((k.since for k in _kept.values()), default=now)
-        time.sleep(max(oldest + idle() - now, 0.0) + 0.01)
+        time.sleep(max(oldest + keep_for - now, 0.0) + 0.01)
 
 
 def trim() -> int:

@@ -371,7 +371,8 @@ else:
         pytest.skip(_cf_tests.WHY_MISSING)
 
 
-del _method, _group, _base, _name, _attrs, _group_of, _test
+for _leftover in ("_method", "_group", "_base", "_name", "_attrs", "_group_of", "_test"):
+    globals().pop(_leftover, None)  # (some unbound where the file above is missing)
 
 
 @pytest.fixture(autouse=True)

@@ -477,3 +477,54 @@ def test_under_fork_a_scripts_functions_go_by_name_only_when_the_worker_has_them
     result = run_file(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def _collect_holding(lock: threading.Lock) -> None:
+    """Run the garbage collector in this thread while it holds ``lock``, as an allocation
+    inside any locked section may; a finalizer that waits for the lock hangs here."""
+    import gc
+
+    with lock:
+        gc.collect()
+
+
+@pytest.mark.timeout(60)
+def test_a_collected_imap_iterator_or_pool_never_waits_for_a_lock_its_thread_holds():
+    """Finalizers hand their work to the dispatcher thread without a lock (an abandoned
+    imap collected inside a locked section of the same thread hung CI's teardown)."""
+    import warnings
+    import weakref
+
+    with mp.Pool(1, context="fork") as p:
+        it = p.imap(square, [1, 2, 3, 4])
+        assert next(it) == 1
+        deadline = time.monotonic() + DEADLINE
+        while it._settled < 4:  # its job (which holds it) is done, the rest is not taken
+            assert time.monotonic() < deadline, "imap's results did not come"
+            time.sleep(0.01)
+        cycle: list = [it]
+        cycle.append(cycle)  # the iterator is left to the collector
+        ref = weakref.ref(it)
+        del it, cycle
+        runner = threading.Thread(target=_collect_holding, args=(p._dispatcher._lock,))
+        runner.start()
+        runner.join(DEADLINE)
+        assert not runner.is_alive(), "the iterator's finalizer waited for the pool's lock"
+        assert ref() is None
+        assert p.map(square, range(6)) == [x * x for x in range(6)]  # the pool still works
+
+    for make in (lambda: mp.Pool(1, context="fork"), lambda: mp.ProcessPoolExecutor(1)):
+        pool = make()
+        dispatcher = pool._dispatcher
+        cycle = [pool]
+        cycle.append(cycle)
+        del pool, cycle
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # unclosed on purpose
+            runner = threading.Thread(target=_collect_holding, args=(dispatcher._lock,))
+            runner.start()
+            runner.join(DEADLINE)
+        assert not runner.is_alive(), "a pool's finalizer waited for its own lock"
+        # and what the finalizer asked for happens: the workers end
+        assert dispatcher.join(DEADLINE), "the dropped pool's dispatcher did not end"
+        assert not [w for w in dispatcher.workers() if w.is_alive()]

@@ -217,6 +217,23 @@ class Watcher:
             with contextlib.suppress(BlockingIOError, OSError):
                 os.write(self._wake_w, b"x")
 
+    def try_wake(self) -> None:
+        """``wake()`` for a finalizer, which may run inside any locked section of this
+        thread: never waits for the lock. Held by another thread, the wake is left out:
+        its holder is in ``wake()`` (which writes), or ``close()``, or is the waiter
+        entering or leaving ``wait()`` (where nothing allocates, so the collector does
+        not run there), which runs its loop again."""
+        if self._woken or not self._state.acquire(blocking=False):
+            return
+        try:
+            if self._woken or self._gone:
+                return
+            self._woken = True
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"x")
+        finally:
+            self._state.release()
+
     def wait(self, timeout: float | None) -> list[tuple[Any, bool, bool]]:
         me = threading.get_ident()
         try:

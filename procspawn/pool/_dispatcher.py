@@ -278,7 +278,10 @@ class Dispatcher:
         self._init_failed: BaseException | None = None  # an initializer raised: breaking
         self._feeders = 0
         self._demand = 0  # lazy: how many workers the work so far asked for
-        self._requests: list[Callable[[], None]] = []  # run by the dispatcher thread
+        # run by the dispatcher thread; a deque, appended to without a lock, so that a
+        # finalizer (an iterator or pool collected by the garbage collector, which may run
+        # in any thread, inside any of our locked sections) can hand over work
+        self._requests: collections.deque[Callable[[], None]] = collections.deque()
         self._output = OutputForwarder()
         self._watcher = Watcher()
         deferred: list[Any] = []
@@ -344,15 +347,19 @@ class Dispatcher:
         error.__cause__ = broken.__cause__
         return error
 
-    def request(self, action: Callable[[], None]) -> None:
-        """Run ``action`` in the dispatcher thread, soon."""
-        with self._lock:
-            self._requests.append(action)
-        self._watcher.wake()
+    def request(self, action: Callable[[], None], finalizer: bool = False) -> None:
+        """Run ``action`` in the dispatcher thread, soon. ``finalizer``: called from a
+        ``__del__`` or a weakref callback, which the garbage collector may run in a thread
+        that holds one of our locks: take none (a deque append is atomic)."""
+        self._requests.append(action)
+        if finalizer:
+            self._watcher.try_wake()
+        else:
+            self._watcher.wake()
 
-    def abandon(self, job: Job, kill_running: bool = True) -> None:
+    def abandon(self, job: Job, kill_running: bool = True, finalizer: bool = False) -> None:
         """Drop a job's tasks not handed out yet and (``kill_running``) stop the workers
-        running its others, quietly; they are replaced."""
+        running its others, quietly; they are replaced. ``finalizer``: as ``request``'s."""
         job.abandoned = True
 
         def act() -> None:
@@ -362,7 +369,7 @@ class Dispatcher:
                     if worker.tasks and worker.tasks[0].job is job:
                         self._stop_worker(worker, "its task was abandoned", self._grace)
 
-        self.request(act)
+        self.request(act, finalizer)
 
     def kill(self, which: Callable[[Task], bool], error: BaseException) -> None:
         """Stop the tasks ``which`` picks among those handed out (soon, in the dispatcher
@@ -514,10 +521,9 @@ class Dispatcher:
             self._release()
 
     def _take_requests(self) -> None:
-        with self._lock:
-            requests, self._requests = self._requests, []
-        for action in requests:
-            action()
+        requests = self._requests
+        while requests:
+            requests.popleft()()
 
     def _timeout(self) -> float | None:
         now = time.monotonic()

@@ -196,7 +196,8 @@ class ProcessPoolExecutor(_cf.Executor):
             name="executor",
         )
         # an executor dropped without shutdown() finishes its work, then its workers exit
-        weakref.finalize(self, self._dispatcher.close)
+        # (by its thread: the collector may run this in a thread holding its lock)
+        weakref.finalize(self, self._dispatcher.request, self._dispatcher.close, True)
 
     @property
     def _processes(self) -> dict[int, Any]:

@@ -12,6 +12,7 @@ and arrays through shared memory.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import threading
@@ -311,7 +312,7 @@ class IMapIterator:
         job = self.job
         if job is not None and not job.abandoned:
             try:
-                self._dispatcher.abandon(job, kill_running=False)
+                self._dispatcher.abandon(job, kill_running=False, finalizer=True)
             except Exception:
                 pass
 
@@ -638,8 +639,8 @@ class Pool:
         if getattr(self, "_state", None) == "RUN":
             _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
             dispatcher = getattr(self, "_dispatcher", None)
-            if dispatcher is not None:
-                dispatcher.terminate(wait=False)
+            if dispatcher is not None:  # by its thread: this thread may hold its lock
+                dispatcher.request(functools.partial(dispatcher.terminate, wait=False), True)
 
 
 def _feed(

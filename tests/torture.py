@@ -178,6 +178,14 @@ def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
+
+
 def _read_pid(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -242,6 +250,8 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
         time.sleep(0.05)
     orphans = _children()
     result["orphans"] = len(orphans)
+    if orphans:  # which ones, for the report
+        result["orphan_cmdlines"] = [_cmdline(pid) for pid in sorted(orphans)]
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     end = time.monotonic() + 5

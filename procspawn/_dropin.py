@@ -22,12 +22,13 @@ import multiprocessing.context as mpc
 from typing import Any
 
 from .context._start_method import get_start_method, set_start_method
-from .sharing import _pickler, _strategy
-from .sharing._connection import Pipe as _Pipe
-from .sharing._queues import JoinableQueue as _JoinableQueue
-from .sharing._queues import Queue as _Queue
-from .sharing._queues import SimpleQueue as _SimpleQueue
-from .sharing._startup import StartupMessage
+from .sharing.channels._connection import Pipe as _Pipe
+from .sharing.channels._queues import JoinableQueue as _JoinableQueue
+from .sharing.channels._queues import Queue as _Queue
+from .sharing.channels._queues import SimpleQueue as _SimpleQueue
+from .sharing.channels._startup import StartupMessage
+from .sharing.segments import _strategy
+from .sharing.wire import _pickler
 
 
 class _Call:

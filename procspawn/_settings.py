@@ -1,7 +1,7 @@
-"""Level 0: every ``PROCSPAWN_*`` environment variable procspawn reads, in one table.
+"""Every ``PROCSPAWN_*`` environment variable procspawn reads, in one table.
 
-Each has a type, a default and a meaning (the README's table is checked against this
-one). A variable is read once, the first time procspawn needs it, not at import: a bad
+Each has a type, a default and a meaning (the documentation's settings page is made from
+this table). A variable is read once, the first time procspawn needs it, not at import: a bad
 value fails the call that uses it, with a ``SettingError`` that names the variable and a
 value it accepts. An empty variable counts as unset. Standard library only.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,8 @@ class Setting:
     kind: str  # "bytes", "seconds", "flag" or "name"
     default: Any  # the value when unset; None: the reader's own default (``shown``)
     meaning: str
-    shown: str = ""  # the default as the README shows it, when not the value itself
+    shown: str = ""  # the default as the settings page shows it, when not the value itself
+    old_names: tuple[str, ...] = ()  # earlier names, still read (with a DeprecationWarning)
 
     def parse(self, text: str) -> Any:
         try:
@@ -159,10 +161,12 @@ SETTINGS: dict[str, Setting] = {
             "`60`",
         ),
         Setting(
-            "PROCSPAWN_MANAGER_GRACE",
+            "PROCSPAWN_DAEMON_GRACE",
             "seconds",
             2.0,
-            "seconds the cleanup daemon waits for a new client once the last has gone",
+            "seconds the cleanup daemon waits for a new client once the last has gone "
+            "(`PROCSPAWN_MANAGER_GRACE`, its old name, still works, with a warning)",
+            old_names=("PROCSPAWN_MANAGER_GRACE",),
         ),
         Setting(
             "PROCSPAWN_DEBUG",
@@ -189,6 +193,15 @@ def get(name: str) -> Any:
         pass
     setting = SETTINGS[name]
     text = os.environ.get(name, "")
+    for old in setting.old_names:
+        if text == "" and os.environ.get(old, ""):
+            warnings.warn(
+                f"{old} is deprecated: set {name} instead (same meaning and values)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            text = os.environ[old]
+            setting = Setting(old, setting.kind, setting.default, setting.meaning)
     value = setting.default if text == "" else setting.parse(text)
     with _lock:
         return _values.setdefault(name, value)
@@ -203,7 +216,7 @@ def reload(*names: str) -> None:
 
 
 def markdown_table() -> str:
-    """The README's table of environment variables."""
+    """The table of environment variables, as the documentation's settings page shows it."""
     rows = ["| variable | meaning | default |", "|---|---|---|"]
     rows += [f"| `{s.name}` | {s.meaning} | {s.default_text()} |" for s in SETTINGS.values()]
     return "\n".join(rows)

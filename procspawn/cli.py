@@ -18,7 +18,7 @@ from typing import Any
 
 from . import _settings
 from ._version import __version__
-from .sharing._manager_main import PREFIX, SHM_DIR, YOUNG, in_use
+from .sharing.daemon._table import PREFIX, SHM_DIR, YOUNG, in_use
 
 _DESCRIPTION = "Run ranks of a Python program, look at and clean up procspawn's shared memory."
 _EPILOG = """\
@@ -54,12 +54,12 @@ def _read(path: str) -> str | None:
 
 def _daemons() -> list[dict[str, Any]]:
     """Running cleanup daemons: pid, address, clients, recorded names."""
-    from .sharing import _manager
+    from .sharing.daemon import _client
 
     out = []
     for pid in _proc_entries():
         cmdline = _read(f"/proc/{pid}/cmdline")
-        if not cmdline or "_manager_main" not in cmdline:
+        if not cmdline or "sharing/daemon/_main.py" not in cmdline:
             continue
         args = cmdline.split("\0")
         address = args[args.index("--address") + 1] if "--address" in args else ""
@@ -70,7 +70,7 @@ def _daemons() -> list[dict[str, Any]]:
                     sockets += 1
         except OSError:
             pass
-        names = _manager.query(address) if address else None
+        names = _client.query(address) if address else None
         out.append(
             {
                 "pid": pid,
@@ -217,7 +217,7 @@ def _memfds() -> dict[str, Any]:
 
 def info() -> dict[str, Any]:
     from . import get_all_sharing_strategies, get_sharing_strategy
-    from .sharing import _recycled
+    from .sharing.segments import _recycled
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     shm: dict[str, Any] = {"path": SHM_DIR}

@@ -26,7 +26,7 @@ import pytest
 
 import procspawn
 from procspawn import _settings
-from procspawn.sharing import _recycled
+from procspawn.sharing.segments import _recycled
 
 _PR_SET_CHILD_SUBREAPER = 36
 _PATIENCE = 10.0
@@ -34,7 +34,7 @@ _PATIENCE = 10.0
 # A cleanup daemon waits this long for a new client once its last has gone: every test
 # that starts a tree of its own (a script, a stdlib Process) would otherwise wait out the
 # default 2 s in its leak check. The daemons still do everything they do by default.
-os.environ.setdefault("PROCSPAWN_MANAGER_GRACE", "0.5")
+os.environ.setdefault("PROCSPAWN_DAEMON_GRACE", "0.5")
 # Likewise the slab being filled is held this long after the last small array was made
 # (default 1 s), which every leak check would wait out.
 os.environ.setdefault("PROCSPAWN_SLAB_LINGER", "0.2")
@@ -153,9 +153,9 @@ def _session_setup():
 
     _forkserver.ensure_running()  # procspawn's own fork server, alive until we exit
     procspawn.get_sharing_strategy()
-    from procspawn.sharing import _manager
+    from procspawn.sharing.daemon import _client
 
-    _manager.ensure()  # this session's cleanup daemon (file_system), alive until we exit
+    _client.ensure()  # this session's cleanup daemon (file_system), alive until we exit
     yield
 
 

@@ -11,8 +11,8 @@ import pytest
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _manager_main
-from procspawn.sharing._manager_main import holders, messages
+from procspawn.sharing.daemon import _table
+from procspawn.sharing.daemon._table import holders, messages
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -106,9 +106,9 @@ def test_the_holder_table_grows_past_its_first_page_and_shrinks_back_to_nothing(
         [name] = _my_names() - before
         size = os.stat(f"/dev/shm/{name}").st_size
         fake = list(range(4_000_001, 4_003_001))  # above any pid_max: never running
-        fd = _manager_main.open_segment(name)
+        fd = _table.open_segment(name)
         try:
-            with _manager_main._Locked(fd) as table:
+            with _table._Locked(fd) as table:
                 for pid in fake:
                     table.add(pid)
         finally:
@@ -131,7 +131,7 @@ def test_the_holder_table_grows_past_its_first_page_and_shrinks_back_to_nothing(
             time.sleep(0.02)
         assert holders(name) == [os.getpid(), *fake]
         for pid in fake:
-            assert _manager_main.let_go(name, pid)
+            assert _table.let_go(name, pid)
         assert holders(name) == [os.getpid()]
         del shared
         gc.collect()

@@ -13,7 +13,7 @@ from _helpers import script_env
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _manager
+from procspawn.sharing.daemon import _client
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +70,7 @@ def test_info_json():
         assert seg["owner_pid"] == os.getpid() and seg["owner_alive"]
         assert os.getpid() in seg["used_by"]
         assert seg["bytes"] >= held.nbytes
-        [daemon] = [d for d in data["daemons"] if d["address"] == _manager.ensure()]
+        [daemon] = [d for d in data["daemons"] if d["address"] == _client.ensure()]
         assert mine in daemon["names"] and daemon["clients"] >= 1
         text = _cli("info")
         assert text.returncode == 0 and mine in text.stdout and "RLIMIT_NOFILE" in text.stdout

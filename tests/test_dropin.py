@@ -208,7 +208,7 @@ def test_a_connection_has_the_stdlib_public_names(pipe):
 def test_simple_queue_is_generic_as_the_stdlib_one():
     from multiprocessing.queues import SimpleQueue as StdSimpleQueue
 
-    from procspawn.sharing._queues import SimpleQueue
+    from procspawn.sharing.channels._queues import SimpleQueue
 
     assert SimpleQueue[int].__origin__ is SimpleQueue
     assert StdSimpleQueue[int].__origin__ is StdSimpleQueue

@@ -18,7 +18,7 @@ from _helpers import run_script
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _manager
+from procspawn.sharing.daemon import _client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +122,7 @@ def test_a_program_started_with_subprocess_is_a_tree_of_its_own():
             import os, signal
             import procspawn as mp
             from procspawn import sharing
-            from procspawn.sharing import _manager
+            from procspawn.sharing.daemon import _client
 
             def work(rank):
                 held = [sharing.zeros(10_000) for _ in range(3)]
@@ -135,12 +135,12 @@ def test_a_program_started_with_subprocess_is_a_tree_of_its_own():
                     mp.spawn(work, nprocs=3)
                 except mp.ProcessExitedException:
                     pass
-                print(_manager.tree_address())
+                print(_client.tree_address())
             """
         )
         result = run_script(code)
         assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() != _manager.tree_address()
+        assert result.stdout.strip() != _client.tree_address()
         assert _within(2.0, lambda: _names() == baseline), _names() - baseline
         assert mine.sum() == 0
         del mine
@@ -171,7 +171,7 @@ def test_a_tree_killed_whole_is_swept_by_the_next_daemon(tmp_path):
         import os, time
         import procspawn as mp
         from procspawn import sharing
-        from procspawn.sharing import _manager
+        from procspawn.sharing.daemon import _client
 
         def publish(path, text):  # whole or not at all: the test polls for it
             with open(path + ".tmp", "w") as f:
@@ -189,7 +189,7 @@ def test_a_tree_killed_whole_is_swept_by_the_next_daemon(tmp_path):
             ctx = mp.spawn(rank, args=({str(ready)!r},), nprocs=1, join=False)
             while not os.path.exists({str(ready)!r} + ".rank"):
                 time.sleep(0.02)
-            publish({str(ready)!r}, _manager.tree_address())
+            publish({str(ready)!r}, _client.tree_address())
             time.sleep(60)
         """
     )
@@ -222,7 +222,7 @@ def test_a_tree_killed_whole_is_swept_by_the_next_daemon(tmp_path):
         "from procspawn import sharing\n"
         "mp.set_sharing_strategy('file_system')\n"
         "a = sharing.zeros(10)\n",
-        env_extra={"PROCSPAWN_MANAGER_GRACE": "0.2"},
+        env_extra={"PROCSPAWN_DAEMON_GRACE": "0.2"},
     )
     assert fresh.returncode == 0, fresh.stderr
     assert _within(5.0, lambda: not (_names() & left)), _names() & left
@@ -319,16 +319,16 @@ def test_a_release_inside_a_table_update_of_the_same_thread_does_not_deadlock():
     # thread is inside a holder-table update of that same segment: locking it again
     # through another open would wait for this very thread forever. It runs once the
     # update is done instead.
-    from procspawn.sharing import _manager_main
+    from procspawn.sharing.daemon import _table
 
     mp.set_sharing_strategy("file_system")
     try:
         names = _names()
         a = sharing.zeros(40_000)  # above the slab threshold: a segment of its own
         [name] = _names() - names
-        fd = _manager_main.open_segment(name)
+        fd = _table.open_segment(name)
         try:
-            with _manager_main._Locked(fd):
+            with _table._Locked(fd):
                 del a  # the last array: its segment is released right here
                 assert os.path.exists(f"/dev/shm/{name}")  # deferred, not deadlocked
             assert not os.path.exists(f"/dev/shm/{name}")  # done once the lock was left

@@ -13,7 +13,7 @@ from _helpers import run_script
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _manager
+from procspawn.sharing.daemon import _client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,7 +75,7 @@ def test_a_long_lived_parent_gets_back_what_killed_ranks_held(start_method):
         """
     )
     before = _segments()
-    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
+    result = run_script(code, env_extra={"PROCSPAWN_DAEMON_GRACE": "0.5"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.split() == ["True", "1"]
     assert _wait(lambda: not (_segments() - before)), "the parent's own array outlived it"
@@ -103,7 +103,7 @@ def test_join_returns_promptly_after_a_file_system_producer_exits():
             print(p.exitcode)
         """
     )
-    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "60"})
+    result = run_script(code, env_extra={"PROCSPAWN_DAEMON_GRACE": "60"})
     assert result.stdout.strip() == "0", result.stderr
     # the daemon of that tree is still waiting out its grace: stop it
     for pid in _daemon_pids():
@@ -112,7 +112,9 @@ def test_join_returns_promptly_after_a_file_system_producer_exits():
 
 
 def _daemon_pids():
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and "_manager_main" in _cmd(e)]
+    return [
+        int(e) for e in os.listdir("/proc") if e.isdigit() and "sharing/daemon/_main.py" in _cmd(e)
+    ]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="checking a peer of another uid needs root")
@@ -120,9 +122,9 @@ def test_daemon_is_detached_private_and_keeps_only_valid_names():
     mp.set_sharing_strategy("file_system")
     try:
         a = sharing.zeros(10)
-        address = _manager.ensure()
+        address = _client.ensure()
         [name] = [n for n in _segments() if n.startswith(f"procspawn_{os.getpid()}_")]
-        assert name in _manager.query(address)
+        assert name in _client.query(address)
         pids = [int(e) for e in os.listdir("/proc") if e.isdigit() and _cmd(e).count(address)]
         assert len(pids) == 1
         assert _sid(pids[0]) == pids[0] != _sid(os.getpid())  # its own session
@@ -132,7 +134,7 @@ def test_daemon_is_detached_private_and_keeps_only_valid_names():
             s.connect("\0" + address)
             for bad in (b"../etc/passwd", b"procspawn_1_zz", b"procspawn_1_0123456789abcdef/x"):
                 s.sendall((b"R" + bad).ljust(64, b"\0"))
-        assert _wait(lambda: _manager.query(address) == [name])
+        assert _wait(lambda: _client.query(address) == [name])
 
         # a peer of another uid is refused
         pid = os.fork()
@@ -152,7 +154,7 @@ def test_daemon_is_detached_private_and_keeps_only_valid_names():
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        assert _manager.query(address) == [name]
+        assert _client.query(address) == [name]
         del a
     finally:
         mp.set_sharing_strategy("file_descriptor")
@@ -172,11 +174,11 @@ def test_killed_daemon_is_replaced_and_names_registered_again():
         import os, signal, time
         import procspawn as mp
         from procspawn import sharing
-        from procspawn.sharing import _manager
+        from procspawn.sharing.daemon import _client
 
         mp.set_sharing_strategy("file_system")
         a = sharing.zeros(1000)
-        address = _manager.ensure()
+        address = _client.ensure()
 
         def cmdline(pid):
             try:  # a process listed a moment ago may be gone by now
@@ -194,16 +196,16 @@ def test_killed_daemon_is_replaced_and_names_registered_again():
         while daemons() in ([], [old]) and time.monotonic() < deadline:
             time.sleep(0.02)
         [name] = [n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")]
-        while name not in (_manager.query(address) or []) and time.monotonic() < deadline:
+        while name not in (_client.query(address) or []) and time.monotonic() < deadline:
             time.sleep(0.02)   # the process re-registers as soon as the new daemon runs
         [new] = daemons()   # one new daemon, at the tree's same address
         print(new != old)
-        print(name in (_manager.query(address) or []))
+        print(name in (_client.query(address) or []))
         os.kill(os.getpid(), signal.SIGKILL)   # the segment is left to the new daemon
         """
     )
     before = _segments()
-    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
+    result = run_script(code, env_extra={"PROCSPAWN_DAEMON_GRACE": "0.5"})
     assert result.stdout.split() == ["True", "True"], result.stderr
     assert _wait(lambda: not (_segments() - before))
 
@@ -214,8 +216,8 @@ MANY_CLIENTS = """
 import json, os, resource, sys, time
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _manager
-from procspawn.sharing._manager_main import holders
+from procspawn.sharing.daemon import _client
+from procspawn.sharing.daemon._table import holders
 
 
 def hold(q, ready, stop):
@@ -243,7 +245,7 @@ if __name__ == "__main__":
     mp.set_sharing_strategy("file_system")
     a = sharing.zeros(1000)   # the first share: the daemon starts, with this soft limit
     a[0] = 5
-    address = _manager.ensure()
+    address = _client.ensure()
     [daemon] = daemons(address)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))   # the parent's own needs
     if daemon_limit:   # a daemon already at its hard limit
@@ -322,7 +324,7 @@ def test_1100_clients_under_the_default_descriptor_limit_one_daemon_one_table():
 
 
 def _close_daemon_connection_then_wait(name_out, stop):
-    from procspawn.sharing import _manager as manager
+    from procspawn.sharing.daemon import _client as manager
 
     mp.set_sharing_strategy("file_system")
     keep = sharing.zeros(100_000)
@@ -337,7 +339,7 @@ def _close_daemon_connection_then_wait(name_out, stop):
 def test_a_client_that_closes_its_connection_keeps_its_names_until_it_exits():
     # EOF on a client's socket is not its death: the daemon watches its pid, leaves what
     # it holds alone while it runs, and takes it out of the holders at once when it dies.
-    from procspawn.sharing._manager_main import holders
+    from procspawn.sharing.daemon._table import holders
 
     ctx = mp.get_context("fork")
     name_out, stop = ctx.Queue(), ctx.Queue()
@@ -365,9 +367,9 @@ def _daemon_of(address):
 
 
 def test_the_daemon_survives_garbage_stopped_readers_and_10000_connections():
-    from procspawn.sharing._manager_main import PREFIX, SHM_DIR
+    from procspawn.sharing.daemon._table import PREFIX, SHM_DIR
 
-    address = _manager.ensure()
+    address = _client.ensure()
     daemon = _daemon_of(address)
 
     def connect():
@@ -403,7 +405,7 @@ def test_the_daemon_survives_garbage_stopped_readers_and_10000_connections():
         try:
             assert _wait(lambda: _state(pid) == "T", 10)
             started = time.monotonic()
-            answer = _manager.query(address, timeout=10)  # the daemon is not stuck on it
+            answer = _client.query(address, timeout=10)  # the daemon is not stuck on it
             assert time.monotonic() - started < 5
             assert answer is not None and set(names) <= set(answer)
         finally:

@@ -18,10 +18,10 @@ from _helpers import run_script, script_env
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing import _recycled
-from procspawn.sharing._file_system import KEPT_NAMES
-from procspawn.sharing._manager_main import holders
-from procspawn.sharing._segment import segment_of
+from procspawn.sharing.daemon._table import holders
+from procspawn.sharing.segments import _recycled
+from procspawn.sharing.segments._file_system import KEPT_NAMES
+from procspawn.sharing.segments._segment import segment_of
 
 MIB = 1 << 20
 ctx = mp.get_context("spawn")
@@ -394,12 +394,12 @@ def test_running_out_of_descriptors_gives_back_recycled_segments_first():
             back.get()
             back.put(None)
             p.join()
-            while sharing._recycled.kept_bytes() < 20 << 20:
+            while sharing.segments._recycled.kept_bytes() < 20 << 20:
                 pass
             fds = len(os.listdir("/proc/self/fd"))
             resource.setrlimit(resource.RLIMIT_NOFILE, (fds + 8, fds + 8))
             held = [sharing.zeros(1 << 20, np.uint8) for _ in range(15)]
-            print(len(held), sharing._recycled.kept_bytes())
+            print(len(held), sharing.segments._recycled.kept_bytes())
         """
     )
     result = run_script(code)
@@ -408,7 +408,7 @@ def test_running_out_of_descriptors_gives_back_recycled_segments_first():
 
 
 def test_a_failure_in_the_second_copy_thread_is_raised(monkeypatch):
-    from procspawn.sharing import _ndarray
+    from procspawn.sharing.segments import _ndarray
 
     real = np.copyto
     source = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: copied in two threads
@@ -472,8 +472,8 @@ def _kernel() -> tuple[int, ...]:
 
 @pytest.mark.skipif(_kernel() < (5, 14), reason="MADV_POPULATE_WRITE came in Linux 5.14")
 def test_populate_faults_in_a_new_segment_in_one_call():
-    from procspawn.sharing import _strategy
-    from procspawn.sharing._segment import populate
+    from procspawn.sharing.segments import _strategy
+    from procspawn.sharing.segments._segment import populate
 
     segment = _strategy.allocate(4 << 20)
     assert _resident_kib(segment.address) == 0  # nothing touched yet
@@ -484,7 +484,7 @@ def test_populate_faults_in_a_new_segment_in_one_call():
 def test_a_send_faults_in_only_a_new_segment_before_copying(recycling, monkeypatch):
     """A copy into a new segment faults its pages in first (one madvise); a recycled
     segment's pages are in place, so its copy does not ask again."""
-    from procspawn.sharing import _ndarray
+    from procspawn.sharing.segments import _ndarray
 
     calls = []
     monkeypatch.setattr(_ndarray, "populate", lambda address, length: calls.append(length))

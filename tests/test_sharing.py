@@ -541,7 +541,7 @@ def test_threads_sending_one_file_system_segment_keep_the_count_right():
         for t in threads:
             t.join(60)
         assert len(got) == 800
-        from procspawn.sharing._manager_main import holders
+        from procspawn.sharing.daemon._table import holders
 
         assert holders(name) == [os.getpid()]  # this process, once: it maps it once
         del got
@@ -583,7 +583,7 @@ def test_ranks_of_one_tree_share_one_daemon(start_method):
                            start_method={start_method!r}))
         """
     )
-    result = run_script(code, env_extra={"PROCSPAWN_MANAGER_GRACE": "0.5"})
+    result = run_script(code, env_extra={"PROCSPAWN_DAEMON_GRACE": "0.5"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[(100000.0, 0.0), None]"
 
@@ -603,7 +603,7 @@ def test_get_with_timeout_does_not_hang_on_a_half_sent_message():
 
 
 def test_put_sends_itself_in_order_and_hands_a_full_socket_to_the_feeder(monkeypatch, strategy):
-    from procspawn.sharing import _queues
+    from procspawn.sharing.channels import _queues
 
     partial = []
 

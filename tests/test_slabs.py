@@ -16,8 +16,8 @@ from _helpers import run_script, script_env
 
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing._segment import segment_of
-from procspawn.sharing._slabs import _linger, threshold
+from procspawn.sharing.segments._segment import segment_of
+from procspawn.sharing.segments._slabs import _linger, threshold
 
 LINGER, THRESHOLD = _linger(), threshold()
 
@@ -224,7 +224,7 @@ import warnings
 import numpy as np
 import procspawn as mp
 from procspawn import sharing
-from procspawn.sharing._segment import segment_of
+from procspawn.sharing.segments._segment import segment_of
 
 def total(rank, arrays):
     return [int(a[0]) for a in arrays]

@@ -51,7 +51,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGETS = ["producer", "consumer", "parent", "daemon", "none"]
-GRACE = 0.5  # PROCSPAWN_MANAGER_GRACE for the rounds: a short daemon grace keeps rounds fast
+GRACE = 0.5  # PROCSPAWN_DAEMON_GRACE for the rounds: a short daemon grace keeps rounds fast
 
 
 # -- the workload (runs in the round's parent interpreter) ----------------------------------
@@ -167,7 +167,7 @@ def _daemon_pids() -> list[int]:
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"_manager_main" in f.read():
+                    if b"sharing/daemon/_main.py" in f.read():
                         pids.append(int(entry))
             except OSError:
                 pass
@@ -204,7 +204,7 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     os.mkdir(pid_dir)
     before_segments = _segments()
     before_daemons = set(_daemon_pids())
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_MANAGER_GRACE=str(GRACE))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_DAEMON_GRACE=str(GRACE))
     code = (
         "import sys, torture; "
         f"torture.workload({strategy!r}, {method!r}, {rng.randint(20, 60)}, {pid_dir!r})"
@@ -309,7 +309,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
     os.mkdir(control)
     before_segments = _segments()
     before_daemons = set(_daemon_pids())  # other trees' (a test session's): not ours to kill
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_MANAGER_GRACE=str(GRACE))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_DAEMON_GRACE=str(GRACE))
     log = open(os.path.join(control, "stderr"), "w+")  # noqa: SIM115 (closed below)
     parent = subprocess.Popen(
         [sys.executable, "-c", f"import torture; torture.long_lived_parent({control!r})"],
@@ -364,7 +364,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
             leaked = _segments() - before_segments - own
             result["leaks"] = len(leaked)
             if leaked:  # who holds them: pids in their tables, and whether each lives
-                from procspawn.sharing._manager_main import holders
+                from procspawn.sharing.daemon._table import holders
 
                 result["holders"] = {n: [(p, _alive(p)) for p in holders(n)] for n in leaked}
             result["own_kept"] = own <= _segments()
@@ -406,7 +406,7 @@ def run_matrix(minutes: float, hang_after: float, json_path: str | None) -> int:
 
     import procspawn as mp
     from procspawn import sharing
-    from procspawn.sharing import _manager
+    from procspawn.sharing.daemon import _client
 
     ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
 
@@ -416,7 +416,7 @@ def run_matrix(minutes: float, hang_after: float, json_path: str | None) -> int:
     signal.signal(signal.SIGALRM, hung)
     mp.set_sharing_strategy("file_system")
     own = sharing.zeros(1000)  # held throughout: the daemon has a client the whole time
-    address = _manager.ensure()
+    address = _client.ensure()
     daemons = _daemons_at(address)
     cells.run_cell("in_fn", "exception")  # starts what lives on: the fork server, trackers
     totals = {"rounds": 0, "cells": 0, "leaks": 0, "orphans": 0, "hangs": 0, "wrong": 0}

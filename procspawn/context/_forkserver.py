@@ -33,15 +33,15 @@ PRELOAD = [
     "cloudpickle",  # a function of the main script travels by value
     "procspawn.context._worker",
     "procspawn.context._progress",
-    "procspawn.sharing._startup",
-    "procspawn.sharing._file_descriptor",
-    "procspawn.sharing._file_system",
+    "procspawn.sharing.channels._startup",
+    "procspawn.sharing.segments._file_descriptor",
+    "procspawn.sharing.segments._file_system",
 ]
 # Loaded in the server only when this process has imported the first module when the
 # server starts: a program that uses NumPy has its children use it too, and one that does
 # not spares the server importing it (~80 ms of a cold start, more than all the rest).
 PRELOAD_IF_IMPORTED = {
-    "numpy": ["numpy", "procspawn.sharing._reductions", "procspawn.sharing._arrays"],
+    "numpy": ["numpy", "procspawn.sharing.wire._reductions", "procspawn.sharing.segments._arrays"],
 }
 
 _user_preload: list[str] = []

@@ -22,9 +22,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from .._output import OutputForwarder
-from ..sharing import _pickler
-from ..sharing._fdpass import MessageReader
-from ..sharing._limits import ChannelClosed, FdLimitError
+from ..sharing._errors import ChannelClosed, FdLimitError
+from ..sharing.channels._fdpass import MessageReader
+from ..sharing.wire import _pickler
 from ._errors import (
     ProcessException,
     ProcessExitedException,

@@ -27,8 +27,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from .._output import OutputForwarder
-from ..sharing import _pickler
-from ..sharing._startup import StartupMessage
+from ..sharing.channels._startup import StartupMessage
+from ..sharing.wire import _pickler
 from . import _worker
 from ._errors import ctrl_c_in_caller
 from ._launch import parent_death_signal_is_safe, start_child
@@ -376,6 +376,6 @@ def spawn(
 
 def _child_config() -> dict[str, Any]:
     """What a rank must know of its parent's procspawn settings, whatever the start method."""
-    from ..sharing import _strategy
+    from ..sharing.segments import _strategy
 
     return {"sharing_strategy": _strategy.snapshot()}

@@ -13,8 +13,8 @@ import socket
 import sys
 from typing import Any
 
-from ..sharing import _pickler
-from ..sharing._fdpass import send_message
+from ..sharing.channels._fdpass import send_message
+from ..sharing.wire import _pickler
 from . import _posix
 
 
@@ -101,7 +101,7 @@ def _interrupt_once() -> None:
 
 
 def _apply_config(config: dict[str, Any], rank: int) -> None:
-    from ..sharing import _strategy
+    from ..sharing.segments import _strategy
 
     _strategy.restore(config["sharing_strategy"])
     if config.get("progress") is not None:

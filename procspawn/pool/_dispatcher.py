@@ -53,8 +53,8 @@ from ..context._watch import (
     sigint_held,
     stop,
 )
-from ..sharing import _pickler, _strategy
-from ..sharing._fdpass import (
+from ..sharing._message import Message
+from ..sharing.channels._fdpass import (
     ChannelClosed,
     MessageReader,
     message_size,
@@ -62,8 +62,9 @@ from ..sharing._fdpass import (
     send_more,
     try_send_message,
 )
-from ..sharing._message import Message
-from ..sharing._startup import StartupMessage
+from ..sharing.channels._startup import StartupMessage
+from ..sharing.segments import _strategy
+from ..sharing.wire import _pickler
 from . import _worker
 from ._errors import InitializerError, TaskTimeoutError, TerminatedWorkerError
 

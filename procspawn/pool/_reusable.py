@@ -41,14 +41,35 @@ def get_reusable_executor(
             number than last time resizes the executor in place.
         timeout: seconds a worker may stay idle before it exits (it starts again when
             work comes).
-        mp_context, initializer, initargs, max_tasks_per_child, task_timeout, retries,
-            max_memory_per_child: as for ``ProcessPoolExecutor``. Other values than last
-            time make a new executor; the old one finishes the calls it was given and
-            takes no more.
+        mp_context: as for ``ProcessPoolExecutor``.
+        initializer: as for ``ProcessPoolExecutor``.
+        initargs: as for ``ProcessPoolExecutor``.
+        max_tasks_per_child: as for ``ProcessPoolExecutor``.
+        task_timeout: as for ``ProcessPoolExecutor``.
+        retries: as for ``ProcessPoolExecutor``.
+        max_memory_per_child: as for ``ProcessPoolExecutor``.
         kill_workers: with other settings than last time, stop the old executor's
             workers now instead of letting them finish.
 
+    Returns:
+        The executor: the one made by an earlier call with the same settings (resized
+        if only ``max_workers`` differs), or a new one. Other values than last time for
+        the ``ProcessPoolExecutor`` arguments make a new executor; the old one finishes
+        the calls it was given and takes no more. A broken or shut-down executor is
+        replaced.
+
+    Raises:
+        ValueError: ``max_workers`` or ``timeout`` is not a positive number.
+
     Safe to call from several threads at once.
+
+    Example::
+
+        from procspawn import get_reusable_executor
+
+        executor = get_reusable_executor(max_workers=2)
+        assert list(executor.map(abs, [-1, -2])) == [1, 2]
+        assert get_reusable_executor(max_workers=2) is executor
     """
     global _executor, _settings
     if max_workers is None:

@@ -33,9 +33,9 @@ import sys
 from typing import Any
 
 from ..context import _posix
-from ..sharing import _pickler
-from ..sharing._fdpass import MessageReader, recv_message, send_message
-from ..sharing._limits import ChannelClosed
+from ..sharing._errors import ChannelClosed
+from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
+from ..sharing.wire import _pickler
 
 APPLY, MAP, STARMAP = 0, 1, 2
 MAIN = "__main__"  # (MAIN, name): the function is __main__'s ``name`` (a forked worker has it)
@@ -67,7 +67,7 @@ def main(
     try:
         try:
             initializer, initargs, strategy, executor = payload.load()
-            from ..sharing import _strategy
+            from ..sharing.segments import _strategy
 
             _strategy.restore(strategy)
             if initializer is not None:

@@ -21,26 +21,32 @@ daemon drops what a dead process held, and the next daemon (or ``procspawn clean
 sweeps what a tree killed whole left behind. Both kinds of message carry the segment's
 descriptor, so a message keeps its memory alive by itself, after its sender exited too.
 
-Layout, in levels: a module imports only from the levels below it.
+Layout: a ground floor and four rooms, each importing only from the floors below it (and
+inside a room, from the modules listed before it on its line):
 
-======  ==========================================================================
-level   modules
-======  ==========================================================================
-0       ``_limits`` (errors, fd limit, reserving space), ``_message`` (a message's
-        descriptors, per thread), ``_registry`` (reducer table, plug-ins as data),
-        ``_manager_main`` (the daemon: names, counts, sweeping; stdlib only),
-        ``_tree`` (the process tree's daemon address)
-1       ``_segment`` (a mapping and its release), ``_mapcache`` (one Segment per key
-        per process, weakly), ``_manager`` (the daemon's client),
-        ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS)
-2       ``_strategy`` (interface, registry), ``_file_descriptor``, ``_file_system``,
-        ``_recycled`` (recycled segments: the producer-side cache of send copies)
-3       ``_handles`` (segment <-> wire form, once per message), ``_ndarray`` (layout),
-        ``_slabs`` (small arrays carved out of shared slabs)
-4       ``_reductions`` (ndarray reducers: procspawn and stdlib channels), ``_arrays``
-5       ``_pickler`` (``dumps`` / ``loads``)
-6       ``_connection``, ``_queues``, ``_startup`` (channels, the start-up message)
-======  ==========================================================================
+==========  =============================================================================
+floor       modules
+==========  =============================================================================
+0 ground    ``_errors`` (what ran out and what to do; the fd limit; reserving space),
+            ``_message`` (a message's descriptors, per thread), ``_registry`` (the
+            reducer table; plug-ins as data)
+1 daemon/   ``_table`` (a named segment's holder table, the sweep; stdlib only),
+            ``_main`` (the cleanup daemon, run by path: imports nothing of procspawn),
+            ``_tree`` (this process tree's daemon address), ``_client`` (the daemon's
+            client)
+2 segments/ ``_segment`` (a mapping and its release), ``_mapcache`` (one Segment per key
+            per process, weakly), ``_recycled`` (the producer-side cache of send
+            copies), ``_strategy`` (interface, registry, the current one),
+            ``_file_descriptor``, ``_file_system`` (the two strategies), ``_slabs``
+            (small arrays carved out of shared slabs), ``_ndarray`` (array layout over
+            segments), ``_arrays`` (the public empty/zeros/is_shared/share_memory_/trim)
+3 wire/     ``_handles`` (a segment on the wire, once per message), ``_reductions``
+            (ndarray reducers: procspawn and stdlib channels), ``_pickler`` (``dumps`` /
+            ``loads``)
+4 channels/ ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS),
+            ``_connection`` (Connection, Pipe), ``_queues``, ``_startup`` (the start-up
+            message)
+==========  =============================================================================
 
 Names are imported on first use; NumPy is imported only with the array helpers.
 """
@@ -52,40 +58,40 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._arrays import empty, is_shared, share_memory_, trim, zeros
     from ._errors import ChannelClosed, FdLimitError, SharedMemoryFullError
     from ._message import attach_fd, received_fd
-    from ._pickler import dumps, loads
     from ._registry import register
-    from ._segment import Segment
-    from ._strategy import (
+    from .segments._arrays import empty, is_shared, share_memory_, trim, zeros
+    from .segments._segment import Segment
+    from .segments._strategy import (
         SharingStrategy,
         get_all_sharing_strategies,
         get_sharing_strategy,
         register_strategy,
         set_sharing_strategy,
     )
+    from .wire._pickler import dumps, loads
 
 _LAZY = {
-    "ChannelClosed": "._limits",
-    "FdLimitError": "._limits",
-    "Segment": "._segment",
-    "SharedMemoryFullError": "._limits",
-    "SharingStrategy": "._strategy",
+    "ChannelClosed": "._errors",
+    "FdLimitError": "._errors",
+    "Segment": ".segments._segment",
+    "SharedMemoryFullError": "._errors",
+    "SharingStrategy": ".segments._strategy",
     "attach_fd": "._message",
-    "dumps": "._pickler",
-    "empty": "._arrays",
-    "get_all_sharing_strategies": "._strategy",
-    "get_sharing_strategy": "._strategy",
-    "is_shared": "._arrays",
-    "loads": "._pickler",
+    "dumps": ".wire._pickler",
+    "empty": ".segments._arrays",
+    "get_all_sharing_strategies": ".segments._strategy",
+    "get_sharing_strategy": ".segments._strategy",
+    "is_shared": ".segments._arrays",
+    "loads": ".wire._pickler",
     "received_fd": "._message",
     "register": "._registry",
-    "register_strategy": "._strategy",
-    "set_sharing_strategy": "._strategy",
-    "share_memory_": "._arrays",
-    "trim": "._arrays",
-    "zeros": "._arrays",
+    "register_strategy": ".segments._strategy",
+    "set_sharing_strategy": ".segments._strategy",
+    "share_memory_": ".segments._arrays",
+    "trim": ".segments._arrays",
+    "zeros": ".segments._arrays",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,4 +1,4 @@
-"""Level 0: one message in the making or being read, per thread.
+"""One message in the making or being read, per thread.
 
 A message is pickle bytes plus the file descriptors of the shared segments inside it.
 While ``dumps`` pickles, reducers find the message with :func:`sending` and attach

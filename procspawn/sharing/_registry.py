@@ -1,4 +1,4 @@
-"""Level 0: the reducer table every procspawn message is pickled with.
+"""The reducer table every procspawn message is pickled with.
 
 ``register(type, reducer)`` puts procspawn's reducers in front of ``copyreg``'s, as
 ``ForkingPickler.register`` does for multiprocessing, without changing either. Reducers
@@ -19,7 +19,7 @@ reducers: dict[type, Callable[[Any], Any]] = {}
 version = 0  # bumped on every change: a pickler reads its dispatch table when it is made
 
 # third-party module -> the procspawn module registering its reducers
-PLUGINS: dict[str, str] = {"numpy": "._reductions"}
+PLUGINS: dict[str, str] = {"numpy": ".wire._reductions"}
 _loaded: set[str] = set()
 
 

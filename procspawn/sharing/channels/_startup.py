@@ -1,4 +1,4 @@
-"""Level 6: a message handed to a new process at start-up, pickled once however many processes.
+"""A message handed to a new process at start-up, pickled once however many processes.
 
 ``multiprocessing`` pickles a Process (spawn, forkserver) while it starts the process,
 with its "spawning popen" set: only then do Queues, Locks and Connections pickle, and only
@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _message, _pickler, _tree
+from .. import _message
+from ..daemon import _tree
+from ..wire import _pickler
 
 
 class StartupMessage:

@@ -1,4 +1,4 @@
-"""Level 4: the public array helpers: empty, zeros, is_shared, share_memory_, trim."""
+"""The public array helpers: empty, zeros, is_shared, share_memory_, trim."""
 
 from __future__ import annotations
 

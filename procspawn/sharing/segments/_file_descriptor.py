@@ -1,4 +1,4 @@
-"""Level 2: the ``file_descriptor`` strategy (Linux): anonymous memfd segments.
+"""The ``file_descriptor`` strategy (Linux): anonymous memfd segments.
 
 Nothing is named, so nothing can leak: the kernel frees a segment when its last
 descriptor and last mapping are gone, whoever dies how. The memfd travels with each
@@ -21,8 +21,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from . import _message, _recycled
-from ._limits import FdLimitError, raise_fd_limit
+from .. import _message
+from .._errors import FdLimitError, raise_fd_limit
+from . import _recycled
 from ._segment import Segment
 from ._strategy import SharingStrategy
 

@@ -1,4 +1,4 @@
-"""Level 4: NumPy arrays on the wire, a handle into a shared segment instead of the bytes.
+"""NumPy arrays on the wire, a handle into a shared segment instead of the bytes.
 
 An array is sent as ``(segment handle, byte offset, shape, strides, dtype, writeable)``.
 A segment is reduced once per message, so many arrays over one segment cost one handle,
@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _settings
-from . import _handles, _message, _registry
-from ._ndarray import array_over, copy_to_segment, layout
-from ._segment import segment_of
+from ... import _settings
+from .. import _message, _registry
+from ..segments._ndarray import array_over, copy_to_segment, layout
+from ..segments._segment import segment_of
+from . import _handles
 
 # -- procspawn channels --------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
-"""Level 0: which process tree this process belongs to (its cleanup daemon's address).
+"""Which process tree this process belongs to (its cleanup daemon's address).
 
-Kept apart from the daemon's client (``_manager``) so that a rank that never shares a
+Kept apart from the daemon's client (``_client``) so that a rank that never shares a
 ``file_system`` segment joins its tree without importing the client or the daemon.
 """
 
@@ -11,7 +11,7 @@ import threading
 
 _lock = threading.Lock()
 _address: str | None = None
-joined = False  # set by _manager once this process talks to the daemon or holds a name
+joined = False  # set by _client once this process talks to the daemon or holds a name
 
 
 def tree_address() -> str:

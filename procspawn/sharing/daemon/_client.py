@@ -1,4 +1,4 @@
-"""Level 1: client of the cleanup daemon (see ``_manager_main`` for the protocol).
+"""Client of the cleanup daemon (see ``_main`` for the protocol).
 
 Every process that makes or maps a named segment tells the daemon of its process tree:
 ``register`` before it creates or maps the name for the first time (so the daemon knows
@@ -28,11 +28,11 @@ import sys
 import threading
 import time
 
-from .. import _log, _settings
-from . import _manager_main, _tree
+from ... import _log, _settings
+from . import _main, _tree
 from ._tree import tree_address
 
-RECORD = _manager_main.RECORD
+RECORD = _main.RECORD
 _SEND_TIMEOUT = 10.0
 
 # Reentrant: released() runs from segment finalizers, which the garbage collector may call
@@ -81,11 +81,11 @@ def _start_daemon(address: str) -> socket.socket | None:
                     sys.executable,
                     "-I",
                     "-S",
-                    _manager_main.__file__,
+                    _main.__file__,
                     "--fd",
                     str(listener.fileno()),
                     "--grace",
-                    str(_settings.get("PROCSPAWN_MANAGER_GRACE")),
+                    str(_settings.get("PROCSPAWN_DAEMON_GRACE")),
                     "--address",
                     address,
                     *(["--debug"] if _log.enabled() else []),

@@ -1,4 +1,4 @@
-"""Level 6: Queue, JoinableQueue and SimpleQueue over procspawn Connections.
+"""Queue, JoinableQueue and SimpleQueue over procspawn Connections.
 
 Same interface and semantics as ``multiprocessing``'s, with two differences that follow
 from the data path: an object is pickled in ``put`` itself (so an unpicklable object raises
@@ -21,10 +21,11 @@ from multiprocessing.util import Finalize, register_after_fork
 from queue import Empty, Full
 from typing import Any
 
-from . import _message, _pickler
+from .. import _message
+from .._errors import FdLimitError
+from ..wire import _pickler
 from ._connection import Pipe
 from ._fdpass import message_size
-from ._limits import FdLimitError
 
 _SENTINEL = object()
 _DIRECT_BYTES = 1 << 16  # put() itself may send messages up to this size (see _send_now)

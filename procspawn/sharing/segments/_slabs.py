@@ -1,4 +1,4 @@
-"""Level 3: slabs: small arrays carved out of larger segments.
+"""Slabs: small arrays carved out of larger segments.
 
 A segment costs a descriptor (file_descriptor) and a mapping in every process that maps
 it, so a consumer holding 100,000 small shared arrays would need 100,000 of each. Arrays
@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 
-from .. import _settings
+from ... import _settings
 from . import _strategy
 from ._segment import Block, Segment
 

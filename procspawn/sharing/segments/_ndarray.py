@@ -1,4 +1,4 @@
-"""Level 3: array layout over segments: new arrays in fresh segments, arrays over handles."""
+"""Array layout over segments: new arrays in fresh segments, arrays over handles."""
 
 from __future__ import annotations
 

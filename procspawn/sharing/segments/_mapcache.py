@@ -1,4 +1,4 @@
-"""Level 1: the per-process cache of mapped segments, one Segment per (strategy, key).
+"""The per-process cache of mapped segments, one Segment per (strategy, key).
 
 A receiver maps each segment once, so two handles to one segment give arrays that share
 memory, as in the sender. The cache holds its Segments weakly: it never keeps a segment

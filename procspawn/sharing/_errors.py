@@ -1,4 +1,4 @@
-"""Level 0: the errors of sharing, each saying what ran out and what to do (each pickles
+"""The errors of sharing, each saying what ran out and what to do (each pickles
 as itself), and reserving space and descriptors up front."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Level 2: recycled segments: segments that carried a copy, kept for the next send.
+"""Recycled segments: segments that carried a copy, kept for the next send.
 
 Sending an array that is not in shared memory copies it into a new segment (see
 ``_reductions``). For a large array, making that segment costs more than the copy: the
@@ -19,7 +19,7 @@ Who else holds it? That is a strategy's question (``Kind.nobody_else``):
   process still holds the segment. It cannot be fooled by a receiver killed with SIGKILL,
   or by a message that is never read: the kernel drops their files. A self-test at first
   use checks these semantics on the running kernel, and recycling stays off if any differs.
-* ``file_system``: the segment's table of holders knows (see ``_manager_main``). The
+* ``file_system``: the segment's table of holders knows (see ``daemon._table``). The
   maker stays a holder of the name while it keeps it for reuse (so the daemon frees it if the
   maker dies), and it is free when, under the table's lock, the maker is its only holder:
   every receiver adds itself before it maps and takes itself out after it unmaps (the
@@ -60,7 +60,7 @@ from collections.abc import Callable
 from multiprocessing import util
 from typing import Any
 
-from .. import _settings
+from ... import _settings
 from ._segment import Segment, map_fd
 
 MIN_BYTES = 256 * 1024

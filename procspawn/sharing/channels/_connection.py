@@ -1,4 +1,4 @@
-"""Level 6: Connection and Pipe over a UNIX socket, through procspawn's pickler.
+"""Connection and Pipe over a UNIX socket, through procspawn's pickler.
 
 Like ``multiprocessing.connection.Connection`` (send/recv/poll/send_bytes/recv_bytes/
 close), but every message is a procspawn message: arrays travel as shared-memory handles
@@ -14,7 +14,8 @@ import socket
 from multiprocessing.connection import wait
 from typing import Any
 
-from . import _message, _pickler
+from .. import _message
+from ..wire import _pickler
 from ._fdpass import (
     ChannelClosed,
     MessageReader,

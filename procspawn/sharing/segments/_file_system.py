@@ -1,7 +1,7 @@
-"""Level 2: the ``file_system`` strategy: named segments in /dev/shm that know their holders.
+"""The ``file_system`` strategy: named segments in /dev/shm that know their holders.
 
 ``/dev/shm/procspawn_<pid>_<random>`` (created O_EXCL, mode 0600; layout in
-``_manager_main``) lists the pids of the processes that map it. A process adds itself
+``daemon._table``) lists the pids of the processes that map it. A process adds itself
 when it maps the segment and removes itself when the last array over it is gone; the
 last one unlinks the name. A live array holds no descriptor: this is the strategy for low fd
 limits and very many arrays. Space is reserved when a segment is made
@@ -20,7 +20,7 @@ those alone. Counts have no limit: a backlog of any length can wait for a slow c
 The by-name part of a message that is never received stays until ``procspawn cleanup``:
 nothing tells the daemon that such a message is gone.
 
-The cleanup daemon (``_manager``) knows which process holds which name: a process
+The cleanup daemon (``_client``) knows which process holds which name: a process
 registers a name before it creates or maps it, and the daemon removes a dead process from
 the holders of every name it registered (message slots stay). Segments are opened by name
 with O_NOFOLLOW and used only if they are regular files of this user with mode 0600.
@@ -36,10 +36,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _log
-from . import _manager, _message, _recycled
-from ._limits import FdLimitError, reserve
-from ._manager_main import (
+from ... import _log
+from .. import _message
+from .._errors import FdLimitError, reserve
+from ..daemon import _client
+from ..daemon._table import (
     HEADER,
     PREFIX,
     SHM_DIR,
@@ -54,6 +55,7 @@ from ._manager_main import (
     segment_path,
     when_unlocked,
 )
+from . import _recycled
 from ._segment import Segment, map_fd
 from ._strategy import SharingStrategy
 
@@ -66,7 +68,7 @@ def _release(name: str) -> None:
 
 def _let_go(name: str) -> None:
     _forget_marked(name)
-    _manager.released(name, gone=not let_go(name))
+    _client.released(name, gone=not let_go(name))
     _log.debug("released %s", name)
 
 
@@ -191,11 +193,11 @@ def _create(nbytes: int, mapper: Callable[[int, str], _T]) -> _T:
     """Make a new named segment with room for ``nbytes``, this process its only holder,
     and map it with ``mapper(fd, name)`` (the descriptor is closed after)."""
     name = f"{PREFIX}{os.getpid()}_{os.urandom(8).hex()}"
-    _manager.register(name)
+    _client.register(name)
     try:
         fd = os.open(segment_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except BaseException:
-        _manager.released(name, gone=True)
+        _client.released(name, gone=True)
         raise
     try:
         try:
@@ -205,7 +207,7 @@ def _create(nbytes: int, mapper: Callable[[int, str], _T]) -> _T:
             return mapper(fd, name)
         except BaseException:
             os.unlink(segment_path(name))
-            _manager.released(name, gone=True)
+            _client.released(name, gone=True)
             raise
     finally:
         os.close(fd)
@@ -292,14 +294,14 @@ class FileSystemStrategy(SharingStrategy):
         kept = False
         try:
             if mode != "anon":
-                _manager.register(name)
+                _client.register(name)
                 if (mode == "transfer" and adopt(name, fd, "transfer")) or hold(name, fd):
                     try:
                         return _map_named(fd, name, size)
                     except BaseException:
                         _release(name)
                         raise
-                _manager.released(name, gone=True)  # every holder let go meanwhile
+                _client.released(name, gone=True)  # every holder let go meanwhile
             # No longer named: the memory lives as long as a descriptor or a mapping does.
             segment = Segment.map(
                 fd, size, strategy="file_system", key=name, header=HEADER, keep_fd=True
@@ -311,11 +313,11 @@ class FileSystemStrategy(SharingStrategy):
                 os.close(fd)
 
     def _rebuild_by_name(self, name: str, size: int) -> Segment:
-        _manager.register(name)
+        _client.register(name)
         try:
             fd = open_segment(name)
         except BaseException as exc:
-            _manager.released(name, gone=True)
+            _client.released(name, gone=True)
             if isinstance(exc, FileNotFoundError):
                 raise FileNotFoundError(
                     errno.ENOENT,
@@ -325,7 +327,7 @@ class FileSystemStrategy(SharingStrategy):
             raise
         try:
             if not adopt(name, fd, "inflight") and not hold(name, fd):
-                _manager.released(name, gone=True)
+                _client.released(name, gone=True)
                 raise FileNotFoundError(errno.ENOENT, f"shared segment {name} was freed")
             try:
                 return _map_named(fd, name, size)

@@ -1,4 +1,4 @@
-"""Level 1: messages with file descriptors attached, over a UNIX stream socket.
+"""Messages with file descriptors attached, over a UNIX stream socket.
 
 Every procspawn channel (spawn results, Queue, SimpleQueue, Pipe, Pool) moves *messages*:
 a pickle plus the file descriptors its shared segments need. The descriptors travel with
@@ -31,7 +31,7 @@ import struct
 import time
 from multiprocessing.connection import wait
 
-from ._limits import ChannelClosed, FdLimitError, raise_fd_limit
+from .._errors import ChannelClosed, FdLimitError, raise_fd_limit
 
 _HEADER = struct.Struct("<4sQI")
 _MAGIC = b"PSPN"

@@ -1,4 +1,4 @@
-"""Level 5: the one pickler every procspawn message goes through: ``dumps`` and ``loads``.
+"""The one pickler every procspawn message goes through: ``dumps`` and ``loads``.
 
 ``dumps(obj)`` gives a :class:`~._message.Message`: the pickle bytes and the descriptors
 its shared segments travel with. ``loads(data, fds)`` rebuilds the object and closes
@@ -24,8 +24,8 @@ from collections import ChainMap
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from . import _registry
-from ._message import Message, RecvState, SendState, begin_receive, begin_send
+from .. import _registry
+from .._message import Message, RecvState, SendState, begin_receive, begin_send
 
 _local = threading.local()
 

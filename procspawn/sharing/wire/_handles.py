@@ -1,4 +1,4 @@
-"""Level 3: a Segment on the wire, reduced once per message and rebuilt once per message.
+"""A Segment on the wire, reduced once per message and rebuilt once per message.
 
 A handle is ``(strategy name, strategy object or None, key, the strategy's handle)``: the
 name says which strategy made it, so any receiver rebuilds any handle; a strategy that is
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _mapcache, _message, _registry, _strategy
-from ._segment import Segment
+from .. import _message, _registry
+from ..segments import _mapcache, _strategy
+from ..segments._segment import Segment
 
 Handle = tuple[str, Any, Any, Any]
 

@@ -1,4 +1,4 @@
-"""Level 2: the sharing-strategy interface, the registry of strategies, the current one.
+"""The sharing-strategy interface, the registry of strategies, the current one.
 
 Built-in strategies are data (``BUILTIN``: name -> module, class), imported when first
 used, so a process that never shares an array pays nothing for them.
@@ -15,9 +15,10 @@ import threading
 import warnings
 from typing import Any
 
-from .. import _log, _settings
-from . import _mapcache, _recycled, _registry
-from ._limits import FdLimitError, SharedMemoryFullError
+from ... import _log, _settings
+from .. import _registry
+from .._errors import FdLimitError, SharedMemoryFullError
+from . import _mapcache, _recycled
 from ._segment import Segment
 
 _ENV = "PROCSPAWN_SHARING_STRATEGY"

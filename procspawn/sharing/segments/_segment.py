@@ -1,4 +1,4 @@
-"""Level 1: Segment, one mapped shared region, released when the last array over it goes.
+"""Segment, one mapped shared region, released when the last array over it goes.
 
 Mapping is done with libc ``mmap`` through ctypes, not ``mmap.mmap``: before Python 3.13
 (``trackfd=False``) ``mmap.mmap`` keeps a private duplicate of the descriptor for as long

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import textwrap
@@ -26,10 +27,15 @@ def _sources() -> dict[str, str]:
     return found
 
 
-def test_the_readme_table_is_the_settings_table():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    assert _settings.markdown_table() in readme
+def test_the_settings_page_shows_the_settings_table(tmp_path, monkeypatch):
+    """docs/settings.md includes the table the documentation build writes from
+    ``_settings.markdown_table()``, exactly: the documented table is the module's."""
+    with open(os.path.join(ROOT, "docs", "settings.md")) as f:
+        assert "```{include} _generated/settings_table.md\n```" in f.read()
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "docs", "_scripts"))
+    docgen = importlib.import_module("docgen")
+    with open(docgen.write_settings_table(str(tmp_path))) as f:
+        assert f.read() == _settings.markdown_table() + "\n"
 
 
 def test_every_variable_the_package_names_is_in_the_table_and_read_only_there():
@@ -39,7 +45,28 @@ def test_every_variable_the_package_names_is_in_the_table_and_read_only_there():
         if path != os.path.join("procspawn", "_settings.py"):
             reads = re.findall(r"environ(?:\.get)?[\[(]\s*[\"']PROCSPAWN_", text)
             assert not reads, f"{path} reads a PROCSPAWN_ variable itself"
-    assert named - _SET_NOT_READ == set(SETTINGS)
+    old_names = {old for s in SETTINGS.values() for old in s.old_names}
+    assert named - _SET_NOT_READ - old_names == set(SETTINGS)
+
+
+def test_the_daemons_old_setting_name_still_works_with_a_deprecation_warning(monkeypatch):
+    monkeypatch.delenv("PROCSPAWN_DAEMON_GRACE", raising=False)
+    monkeypatch.setenv("PROCSPAWN_MANAGER_GRACE", "7.5")
+    _settings.reload("PROCSPAWN_DAEMON_GRACE")
+    try:
+        with pytest.warns(DeprecationWarning, match="set PROCSPAWN_DAEMON_GRACE instead"):
+            assert _settings.get("PROCSPAWN_DAEMON_GRACE") == 7.5
+        monkeypatch.setenv("PROCSPAWN_MANAGER_GRACE", "soon")
+        _settings.reload("PROCSPAWN_DAEMON_GRACE")
+        with pytest.warns(DeprecationWarning), pytest.raises(SettingError) as info:
+            _settings.get("PROCSPAWN_DAEMON_GRACE")
+        assert "PROCSPAWN_MANAGER_GRACE='soon'" in str(info.value)  # the one the user set
+        monkeypatch.setenv("PROCSPAWN_DAEMON_GRACE", "1.5")  # the new name wins, silently
+        _settings.reload("PROCSPAWN_DAEMON_GRACE")
+        assert _settings.get("PROCSPAWN_DAEMON_GRACE") == 1.5
+    finally:
+        monkeypatch.undo()
+        _settings.reload("PROCSPAWN_DAEMON_GRACE")
 
 
 @pytest.mark.parametrize(

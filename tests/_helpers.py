@@ -1,4 +1,5 @@
-"""Module-level worker functions and crash objects shared by the tests."""
+"""Module-level worker functions (rank functions children import by name, under every start
+method), crash objects and script runners shared by the tests."""
 
 from __future__ import annotations
 
@@ -121,6 +122,45 @@ def array_sum(rank, array):
 def add_rank_in_place(rank, array):
     array[rank] += rank + 1
     return None
+
+
+def scaled(rank, base, *, scale=1, shift=0):
+    return (base + rank) * scale + shift
+
+
+def rank_environment(rank):
+    return {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+
+
+def quick_or_slow(rank, slow_ranks, seconds):
+    if rank in slow_ranks:
+        time.sleep(seconds)
+    return rank * 10
+
+
+def quick_or_fail(rank, bad_rank, delay):
+    if rank == bad_rank:
+        time.sleep(delay)
+        raise ValueError(f"rank {rank} failed on purpose")
+    return rank * 10
+
+
+def count_steps(rank, steps):
+    import procspawn
+
+    for _ in range(steps):
+        procspawn.progress()
+    return rank
+
+
+def write_into(rank, model):
+    model.layers[0]["w"][rank] = rank + 1
+    model.layers[1][0][rank] = -(rank + 1)
+    model.by_name["b"][rank] = 100 + rank
+
+
+def sleep_forever(rank):
+    time.sleep(120)
 
 
 def script_env() -> dict:

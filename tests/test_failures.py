@@ -1,4 +1,5 @@
-"""The crash matrix, out-of-order failures, stopping siblings, Ctrl-C and parent death."""
+"""The crash matrix, out-of-order failures, stopping siblings, spawn's timeout, the results
+of finished ranks kept after a failure, Ctrl-C and parent death."""
 
 from __future__ import annotations
 
@@ -11,11 +12,24 @@ import textwrap
 import time
 
 import pytest
-from _helpers import Boom, BreaksInChild, crash, fail_if_rank, identity, script_env
+from _helpers import (
+    Boom,
+    BreaksInChild,
+    crash,
+    fail_if_rank,
+    identity,
+    quick_or_fail,
+    quick_or_slow,
+    script_env,
+    sleep_forever,
+)
 
 import procspawn as mp
 
 pytestmark = pytest.mark.timeout(120)
+
+
+# -- the crash matrix, out-of-order failures, stopping siblings ----------------------------
 
 # how the rank fails -> (exception type, exit code or None, signal name, text in the message)
 CRASHES = {
@@ -132,6 +146,53 @@ def test_grace_period_env_is_checked(monkeypatch):
     assert ctx.join() is True
 
 
+# -- spawn(timeout=...); the results of finished ranks kept after a failure ----------------
+
+
+@pytest.mark.timeout(60)
+def test_timeout_stops_the_ranks_still_running_and_keeps_finished_results():
+    start = time.monotonic()
+    with pytest.raises(mp.ProcessTimeoutError) as info:
+        mp.spawn(quick_or_slow, args=([1, 2], 60), nprocs=3, timeout=2.0, grace_period=0.5)
+    took = time.monotonic() - start
+    err = info.value
+    assert isinstance(err, TimeoutError) and isinstance(err, mp.ProcessException)
+    assert err.ranks == [1, 2]
+    assert err.error_index == 1
+    assert err.elapsed >= 2.0
+    assert err.results == [0, None, None]
+    assert "rank(s) 1 (pid" in str(err) and "still running" in str(err)
+    assert took < 30  # stopped, not waited for (60 s of sleep)
+    clone = pickle.loads(pickle.dumps(err))
+    assert clone.ranks == [1, 2] and clone.results == [0, None, None]
+
+
+@pytest.mark.timeout(60)
+def test_results_of_finished_ranks_survive_a_failure():
+    ctx = mp.spawn(quick_or_fail, args=(2, 1.0), nprocs=3, join=False)
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        while not ctx.join(timeout=5):
+            pass
+    assert info.value.results == [0, 10, None]
+    assert ctx.results == [0, 10, None]
+    assert f"(pid {ctx.pids()[2]})" in str(info.value)  # str() names the pid
+
+
+@pytest.mark.timeout(60)
+def test_results_already_sent_are_kept_when_another_rank_failed():
+    ctx = mp.spawn(quick_or_fail, args=(0, 0.0), nprocs=3, join=False)
+    for p in ctx.processes:  # every rank has exited and sent what it sends
+        p.join(30)
+    with pytest.raises(mp.ProcessRaisedException) as info:
+        ctx.join()
+    assert info.value.error_index == 0
+    assert info.value.results == [None, 10, 20]
+    assert ctx.results == [None, 10, 20]
+
+
+# -- parent death and Ctrl-C ---------------------------------------------------------------
+
+
 def _script(body: str) -> str:
     return textwrap.dedent(body)
 
@@ -203,6 +264,176 @@ def test_ctrl_c_in_parent_stops_children_and_reraises(tmp_path, start_method):
     assert proc.returncode != 0
     assert "KeyboardInterrupt" in stderr
     assert _wait_gone(pids, 1.0) == []
+
+
+# -- stopping the ranks on the user's error or Ctrl-C, never cut short ---------------------
+
+
+@pytest.mark.timeout(60)
+def test_leaving_the_with_block_stops_the_ranks():
+    with pytest.raises(RuntimeError, match="user loop failed"):
+        with mp.spawn(sleep_forever, nprocs=2, join=False, grace_period=0.5) as ctx:
+            pids = ctx.pids()
+            raise RuntimeError("user loop failed")
+    for pid in pids:
+        # stopped and reaped: neither running nor a zombie
+        assert not os.path.exists(f"/proc/{pid}"), f"rank pid {pid} is left: {_state(pid)}"
+
+
+def _state(pid):
+    """The process state letter of ``pid`` (``Z``: a zombie), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+def _start_in_own_group(code):
+    """A script in a process group of its own, as a terminal's job."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=script_env(),
+        start_new_session=True,
+    )
+
+
+def _kill_group(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.timeout(90)
+def test_double_ctrl_c_gives_one_traceback_and_runs_finally_blocks(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, sys, time
+        import procspawn
+
+        def work(rank, folder):
+            try:
+                open(os.path.join(folder, f"started{{rank}}"), "w").close()
+                time.sleep(60)
+            finally:
+                time.sleep(0.3)  # a second interrupt here would cut this short
+                open(os.path.join(folder, f"finally{{rank}}"), "w").close()
+
+        if __name__ == "__main__":
+            procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, grace_period=10)
+        """
+    )
+    proc = _start_in_own_group(code)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "ranks did not start"
+            assert proc.poll() is None
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        os.kill(proc.pid, signal.SIGINT)  # and once more to the parent (timeout -s INT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode != 0
+    assert all((tmp_path / f"finally{r}").exists() for r in range(2)), err
+    parent_tracebacks = [line for line in err.splitlines() if line.startswith("KeyboardInterrupt")]
+    assert len(parent_tracebacks) == 1, err
+    assert "_stop_all" not in err and "_sigint_held" not in err, err
+    # the traceback shows the user's line, and one line of procspawn's at most
+    frames = [line for line in err.splitlines() if line.startswith('  File "')]
+    assert frames[0].startswith('  File "<string>", line 14, in <module>'), err  # the call
+    assert len([f for f in frames if "/procspawn/" in f]) <= 1, err
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_the_grace_period_still_kills_and_reaps_every_rank(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        import procspawn
+
+        def work(rank, folder):
+            if rank == 0:
+                while not os.path.exists(os.path.join(folder, "ready1")):
+                    time.sleep(0.02)
+                raise ValueError("rank 0 fails")
+            def on_term(signum, frame):  # outlive the grace period, say we got it
+                open(os.path.join(folder, "got_sigterm"), "w").close()
+
+            signal.signal(signal.SIGTERM, on_term)
+            open(os.path.join(folder, f"pid{{rank}}"), "w").write(str(os.getpid()))
+            os.rename(os.path.join(folder, f"pid{{rank}}"), os.path.join(folder, "ready1"))
+            time.sleep(120)
+
+        if __name__ == "__main__":
+            try:
+                procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, grace_period=60)
+            except procspawn.ProcessRaisedException as err:
+                print("raised", err.error_index, flush=True)
+        """
+    )
+    proc = _start_in_own_group(code)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready1").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never ready"
+            time.sleep(0.05)
+        rank1 = int((tmp_path / "ready1").read_text())
+        while not (tmp_path / "got_sigterm").exists():  # the parent is stopping the ranks
+            assert time.monotonic() < deadline and proc.poll() is None, "no SIGTERM sent"
+            time.sleep(0.05)
+        time.sleep(1.5)  # later than a duplicate of one Ctrl-C: a user asking to hurry
+        os.kill(proc.pid, signal.SIGINT)  # cuts the 60 s grace period short
+        out, err = proc.communicate(timeout=30)
+    finally:
+        _kill_group(proc)
+    assert out.strip() == "raised 0", err
+    assert "KeyboardInterrupt" not in err, err
+    # killed: gone, or a zombie reparented to this test process (a subreaper) until reaped
+    assert _state(rank1) in ("gone", "Z"), f"rank 1 (pid {rank1}) is still running"
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_in_the_with_block_lets_the_ranks_finally_blocks_run(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import os, time
+        import procspawn
+
+        def work(rank, folder):
+            try:
+                open(os.path.join(folder, f"started{{rank}}"), "w").close()
+                time.sleep(60)
+            finally:
+                time.sleep(0.5)
+                open(os.path.join(folder, f"finally{{rank}}"), "w").close()
+
+        if __name__ == "__main__":
+            with procspawn.spawn(work, args=({str(tmp_path)!r},), nprocs=2, join=False,
+                                 grace_period=20) as ctx:
+                while True:
+                    time.sleep(0.05)
+        """
+    )
+    proc = _start_in_own_group(code)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and proc.poll() is None, "ranks did not start"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+        _, err = proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    assert all((tmp_path / f"finally{r}").exists() for r in range(2)), err
+    assert err.count("KeyboardInterrupt") == 1, err
+
+
+# -- remote tracebacks ---------------------------------------------------------------------
 
 
 MAIN_SCRIPT_ERROR = """

@@ -12,10 +12,12 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
 import pytest
+from _helpers import run_script
 
 from procspawn._output import FLUSH_AFTER, OutputForwarder
 
@@ -435,3 +437,34 @@ def test_bad_stream_name():
     with pytest.raises(ValueError, match='"stdout" or "stderr"'):
         fw.pipe(0, "stdin")
     fw.close()
+
+
+# -- real ranks: prefix_output, stderr passed through --------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_prefix_output_and_stderr_pass_through(start_method):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import procspawn
+
+        def talk(rank):
+            print(f"out {{rank}}", flush=True)
+            print(f"err {{rank}}", file=sys.stderr, flush=True)
+
+        if __name__ == "__main__":
+            procspawn.spawn(talk, nprocs=2, prefix_output=True, start_method={start_method!r})
+            procspawn.spawn(talk, nprocs=1, start_method={start_method!r})
+            print("parent done")
+        """
+    )
+    result = run_script(code, timeout=80)
+    assert result.returncode == 0, result.stderr
+    out_lines = result.stdout.splitlines()
+    err_lines = result.stderr.splitlines()
+    assert "[rank 0] out 0" in out_lines and "[rank 1] out 1" in out_lines
+    assert "[rank 0] err 0" in err_lines and "[rank 1] err 1" in err_lines
+    # without prefix_output: stdout is the parent's own, stderr passes through unchanged
+    assert "out 0" in out_lines and "err 0" in err_lines
+    assert out_lines[-1] == "parent done"

@@ -8,7 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from _helpers import ARRAY_KINDS, add_rank_in_place, make_array, run_script
+from _helpers import ARRAY_KINDS, add_rank_in_place, make_array, run_script, write_into
 
 import procspawn as mp
 from procspawn import sharing
@@ -292,6 +292,97 @@ def test_share_memory_dict_list_object_in_place(strategy):
 
     with pytest.raises(TypeError, match="share_memory_"):
         sharing.share_memory_(5)
+
+
+class Model:
+    pass
+
+
+@pytest.mark.timeout(60)
+def test_share_memory_reaches_nested_arrays_and_ranks_write_them(start_method):
+    model = Model()
+    model.layers = [{"w": np.zeros(2)}, (np.zeros(2), "bias")]
+    model.by_name = {"b": np.zeros(2)}
+    model.myself = model  # a cycle
+    model.layers.append(model.layers)  # another
+    assert sharing.share_memory_(model) is model
+    assert sharing.is_shared(model.layers[0]["w"])
+    assert sharing.is_shared(model.layers[1][0]) and model.layers[1][1] == "bias"
+    assert sharing.is_shared(model.by_name["b"])
+    mp.spawn(write_into, args=(model,), nprocs=2, start_method=start_method)
+    assert model.layers[0]["w"].tolist() == [1, 2]
+    assert model.layers[1][0].tolist() == [-1, -2]
+    assert model.by_name["b"].tolist() == [100, 101]
+
+
+class Frozen:
+    __slots__ = ()
+
+
+@pytest.mark.timeout(60)
+def test_share_memory_refuses_what_it_cannot_share():
+    with pytest.raises(TypeError, match="a tuple cannot be changed in place"):
+        sharing.share_memory_((np.zeros(2),))
+    with pytest.raises(TypeError, match="share_memory_ takes"):
+        sharing.share_memory_(Frozen())
+    holder = Model()
+    holder.inner = type("P", (), {"__setattr__": _no_setattr, "w": None})()
+    object.__setattr__(holder.inner, "w", np.zeros(3))
+    with pytest.raises(TypeError, match="writes made by other processes would be lost"):
+        sharing.share_memory_(holder)
+
+
+def _no_setattr(self, name, value):
+    raise AttributeError(f"{name} is read-only")
+
+
+class Tagged(np.ndarray):
+    def __array_finalize__(self, obj):
+        self.tag = getattr(obj, "tag", None)
+
+
+class Slotted:
+    __slots__ = ("w", "empty")
+
+    def __init__(self):
+        self.w = np.ones(4)
+
+
+class Node:
+    def __init__(self, nxt):
+        self.nxt = nxt
+        self.value = np.zeros(1)
+
+
+@pytest.mark.timeout(60)
+def test_share_memory_keeps_subclasses_and_refuses_masked_arrays():
+    tagged = np.arange(4.0).view(Tagged)
+    tagged.tag = "weights"
+    holder = {"t": tagged}
+    sharing.share_memory_(holder)
+    assert type(holder["t"]) is Tagged and sharing.is_shared(holder["t"])
+    assert holder["t"].tag == "weights" and holder["t"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    masked = {"x": np.ma.masked_array([1.0, 2.0], mask=[True, False])}
+    with pytest.raises(TypeError, match="masked array"):
+        sharing.share_memory_(masked)
+    assert type(masked["x"]) is np.ma.MaskedArray and not sharing.is_shared(masked["x"].data)
+
+
+@pytest.mark.timeout(60)
+def test_share_memory_searches_slots_and_deep_structures():
+    holder = {"s": Slotted()}
+    sharing.share_memory_(holder)
+    assert sharing.is_shared(holder["s"].w)
+    chain = None
+    for _ in range(3000):  # deeper than Python's recursion limit
+        chain = Node(chain)
+    sharing.share_memory_(chain)
+    node, count = chain, 0
+    while node is not None:
+        assert sharing.is_shared(node.value)
+        node, count = node.nxt, count + 1
+    assert count == 3000
+    del chain, node
 
 
 # -- strategies ----------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""spawn() / start_processes() / ProcessContext: the happy paths and argument checks."""
+"""spawn() / start_processes() / ProcessContext: the happy paths, argument checks, the ranks'
+environment, terminate() and a context dropped unclosed."""
 
 from __future__ import annotations
 
 import multiprocessing
 import pickle
+import signal
 import threading
 import time
 
@@ -15,6 +17,9 @@ from _helpers import (
     nested,
     pipe_writer,
     queue_and_event,
+    quick_or_slow,
+    rank_environment,
+    scaled,
     sleep_then_return,
     square,
 )
@@ -247,3 +252,122 @@ def test_a_grandchild_holding_a_ranks_pipes_does_not_hold_up_join(tmp_path, star
         assert time.monotonic() - began < 30  # not the grandchild's 60 s
     finally:
         _kill_listed(pid_file, 2)
+
+
+# -- spawn(kwargs=...), argument checks, PROCSPAWN_START_METHOD ----------------------------
+
+
+@pytest.mark.timeout(60)
+def test_kwargs_reach_fn(start_method):
+    out = mp.spawn(
+        scaled, args=(5,), kwargs={"scale": 3, "shift": 1}, nprocs=2, start_method=start_method
+    )
+    assert out == [16, 19]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [([("scale", 3)], "kwargs must be a dict"), ({1: 2}, "kwargs keys must be strings")],
+)
+def test_bad_kwargs_is_a_type_error_before_anything_starts(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        mp.spawn(scaled, args=(1,), kwargs=kwargs, nprocs=2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"timeout": 0}, "timeout must be a number of seconds > 0"),
+        ({"timeout": "5"}, "timeout must be a number"),
+        ({"timeout": 5, "join": False}, "timeout applies to join=True"),
+        ({"grace_period": -1}, "grace_period must be a number of seconds >= 0"),
+    ],
+)
+def test_bad_timeout_or_grace_period(options, message):
+    with pytest.raises(ValueError, match=message):
+        mp.spawn(scaled, args=(1,), nprocs=1, **options)
+
+
+def _read_first_line(rank, f):
+    return f.readline()
+
+
+@pytest.mark.timeout(60)
+def test_an_open_file_in_args_is_refused_like_the_stdlib(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("line\n")
+    with open(path) as f:
+        with pytest.raises(pickle.PicklingError, match=r"args\[0\].*open file"):
+            mp.spawn(_read_first_line, args=(f,), nprocs=1)
+    with open(path) as f:
+        q = mp.get_context("spawn").Queue()
+        try:
+            with pytest.raises(pickle.PicklingError, match="Send its path"):
+                q.put(f)
+        finally:
+            q.close()
+            q.join_thread()
+
+
+@pytest.mark.timeout(60)
+def test_start_method_from_the_environment(monkeypatch):
+    from procspawn import _settings
+
+    monkeypatch.setenv("PROCSPAWN_START_METHOD", "fork")
+    _settings.reload("PROCSPAWN_START_METHOD")  # read once: a program that changes it says so
+    ctx = mp.spawn(scaled, args=(1,), nprocs=1, join=False)
+    assert type(ctx.processes[0]).__name__ == "ForkProcess"
+    ctx.join()
+    monkeypatch.setenv("PROCSPAWN_START_METHOD", "threads")
+    _settings.reload("PROCSPAWN_START_METHOD")
+    with pytest.raises(ValueError, match="PROCSPAWN_START_METHOD='threads'"):
+        mp.spawn(scaled, args=(1,), nprocs=1)
+
+
+# -- the ranks' environment ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_ranks_have_torchrun_environment(start_method):
+    out = mp.spawn(rank_environment, nprocs=2, start_method=start_method)
+    assert out == [
+        {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        for r in range(2)
+    ]
+
+
+# -- ProcessContext: terminate(), a context dropped unclosed -------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_terminate_stops_running_ranks():
+    ctx = mp.spawn(quick_or_slow, args=([1], 60), nprocs=2, join=False)
+    deadline = time.monotonic() + 30
+    while ctx.processes[0].exitcode is None and time.monotonic() < deadline:
+        ctx.join(timeout=0.1)
+    ctx.terminate(grace_period=0.5)
+    assert all(p.exitcode is not None for p in ctx.processes)
+    assert ctx.processes[1].exitcode == -signal.SIGTERM
+    assert ctx.join() is True
+    assert ctx.results == [0, None]
+    ctx.terminate()  # idempotent
+
+
+@pytest.mark.timeout(60)
+def test_a_context_dropped_unclosed_releases_what_it_held():
+    import gc
+    import threading
+
+    before = {t for t in threading.enumerate() if t.name == "procspawn-output"}
+    ctx = mp.spawn(scaled, args=(1,), nprocs=2, join=False)
+    for p in ctx.processes:  # torch-style: join the processes by hand, never the context
+        p.join(30)
+    del ctx, p
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while {t for t in threading.enumerate() if t.name == "procspawn-output"} - before:
+        assert time.monotonic() < deadline, "the output thread outlived its context"
+        time.sleep(0.05)
+    # the leak check then sees no descriptor left open

@@ -17,7 +17,7 @@ from _helpers import ROOT, script_env
 def test_torture(tmp_path, mode):
     out = tmp_path / "figures.json"
     extra = ["--long-lived-parent"] if mode == "long-lived-parent" else []
-    rounds = 8 if extra else 10
+    rounds = 5 if extra else 6
     result = subprocess.run(
         [
             sys.executable,

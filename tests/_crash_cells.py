@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from conftest import _children, _fds, _segments, _shared_mappings
+from _leaks import children, fds, segments, shared_mappings
 
 import procspawn as mp
 from procspawn import sharing
@@ -121,7 +121,7 @@ def run_cell(where: str, how: str, grace_period: float = 1.0) -> tuple[type, flo
 
 def snapshot() -> tuple[set, ...]:
     """What a user sees from outside: child processes, /dev/shm, descriptors, mappings."""
-    return (_children(), _segments(), _fds(), _shared_mappings())
+    return (children(), segments(), fds(), shared_mappings())
 
 
 def left_after(before: tuple[set, ...], seconds: float) -> list[str]:

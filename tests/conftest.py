@@ -22,6 +22,7 @@ import os
 import signal
 import time
 
+import _leaks
 import pytest
 
 import procspawn
@@ -42,90 +43,6 @@ os.environ.setdefault("PROCSPAWN_SLAB_LINGER", "0.2")
 # what is kept must not race that on a loaded machine (test_recycled checks the default in
 # a script).
 os.environ.setdefault("PROCSPAWN_POOL_IDLE", "60")
-
-
-def _children() -> set[int]:
-    me = str(os.getpid())
-    found = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[1] == me:  # ppid
-            if fields[0] == "Z":
-                _reap(int(entry))
-                continue
-            found.add(int(entry))
-    return found
-
-
-def _reap(pid: int) -> None:
-    # Only orphans reparented to us are reaped here; multiprocessing reaps its own.
-    if any(p.pid == pid for p in multiprocessing.active_children()):
-        return
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def _segments() -> set[str]:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn")}
-    except FileNotFoundError:
-        return set()
-
-
-def _recycled_kept() -> dict[tuple[int, int] | str, int]:
-    """The recycled segments this process keeps, seen as mappings with no access (``---s``):
-    (device, inode) of each memfd, or the /dev/shm name -> bytes."""
-    kept: dict[tuple[int, int] | str, int] = {}
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(None, 5)
-            if len(fields) < 6 or fields[1] != "---s":
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            path = fields[5].strip()
-            if "/memfd:procspawn" in path:
-                major, minor = (int(x, 16) for x in fields[3].split(":"))
-                key: tuple[int, int] | str = (os.makedev(major, minor), int(fields[4]))
-            elif path.startswith("/dev/shm/procspawn_"):
-                key = path[len("/dev/shm/") :]
-            else:
-                continue
-            kept[key] = kept.get(key, 0) + end - start
-    return kept
-
-
-def _fds() -> set[int]:
-    kept = _recycled_kept()
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            st = os.stat(f"/proc/self/fd/{fd}")
-            if (st.st_dev, st.st_ino) in kept:
-                continue
-        except OSError:
-            pass
-        fds.add(int(fd))
-    return fds
-
-
-def _shared_mappings() -> set[str]:
-    """This process' mappings of shared-memory files (/dev/shm names and memfds), but for
-    the recycled segments' (``---s``)."""
-    with open("/proc/self/maps") as f:
-        return {
-            line.split()[0] + " " + line.split(None, 5)[-1].strip()
-            for line in f
-            if ("/dev/shm/" in line or "/memfd:" in line) and line.split()[1] != "---s"
-        }
 
 
 def _compile_sources() -> None:
@@ -169,7 +86,12 @@ def settings_read_again():
 @pytest.fixture(autouse=True)
 def leak_check():
     """Fail a test that leaves a process, a shared segment or a descriptor behind."""
-    children, segments, fds, maps = _children(), _segments(), _fds(), _shared_mappings()
+    children, segments, fds, maps = (
+        _leaks.children(),
+        _leaks.segments(),
+        _leaks.fds(),
+        _leaks.shared_mappings(),
+    )
     yield
     deadline = time.monotonic() + _PATIENCE
     collected = False
@@ -178,10 +100,10 @@ def leak_check():
         if collected:  # a clean test (most) is not made to pay for a full collection
             gc.collect()
         collected = True
-        new_children = _children() - children
-        new_segments = _segments() - segments - set(_recycled_kept())
-        new_fds = _fds() - fds
-        new_maps = _shared_mappings() - maps
+        new_children = _leaks.children() - children
+        new_segments = _leaks.segments() - segments - set(_leaks.recycled_kept())
+        new_fds = _leaks.fds() - fds
+        new_maps = _leaks.shared_mappings() - maps
         if not (new_children or new_segments or new_fds or new_maps):
             break
         if time.monotonic() > deadline:
@@ -199,7 +121,7 @@ def leak_check():
         except FileNotFoundError:
             pass
     problems = []
-    kept = _recycled_kept()
+    kept = _leaks.recycled_kept()
     if sum(kept.values()) > _recycled.limit() or len(kept) > _recycled.MAX_SEGMENTS:
         problems.append(f"the recycled segments kept exceed their bound: {kept}")
     if new_maps:

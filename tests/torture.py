@@ -48,6 +48,8 @@ import subprocess
 import sys
 import time
 
+import _leaks  # (this folder is on sys.path: the script is run from it)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGETS = ["producer", "consumer", "parent", "daemon", "none"]
@@ -139,28 +141,6 @@ def long_lived_parent(control_dir):
 # -- the harness ------------------------------------------------------------------------
 
 
-def _children() -> set[int]:
-    me = str(os.getpid())
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:
-            if fields[0] == "Z":
-                try:
-                    os.waitpid(int(entry), os.WNOHANG)
-                except ChildProcessError:
-                    pass
-            else:
-                out.add(int(entry))
-    return out
-
-
 def _daemon_pids() -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
@@ -172,10 +152,6 @@ def _daemon_pids() -> list[int]:
             except OSError:
                 pass
     return pids
-
-
-def _segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
 
 
 def _cmdline(pid: int) -> str:
@@ -202,7 +178,7 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     target = rng.choice(TARGETS if strategy == "file_system" else TARGETS[:3] + TARGETS[4:])
     pid_dir = os.path.join(workdir, f"round{rng.random():.12f}")
     os.mkdir(pid_dir)
-    before_segments = _segments()
+    before_segments = _leaks.segments()
     before_daemons = set(_daemon_pids())
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_DAEMON_GRACE=str(GRACE))
     code = (
@@ -246,16 +222,16 @@ def run_round(rng: random.Random, workdir: str, hang_after: float) -> dict:
     log.close()
     # orphans: every descendant (reparented here) must be gone once the daemon's grace passed
     end = time.monotonic() + GRACE + 10
-    while _children() and time.monotonic() < end:
+    while _leaks.children() and time.monotonic() < end:
         time.sleep(0.05)
-    orphans = _children()
+    orphans = _leaks.children()
     result["orphans"] = len(orphans)
     if orphans:  # which ones, for the report
         result["orphan_cmdlines"] = [_cmdline(pid) for pid in sorted(orphans)]
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     end = time.monotonic() + 5
-    while (_segments() - before_segments) and time.monotonic() < end:
+    while (_leaks.segments() - before_segments) and time.monotonic() < end:
         time.sleep(0.05)
     result["leaks"] = _remove_leaked(before_segments)
     return result
@@ -274,7 +250,7 @@ def _kill(victim: int | None, target: str) -> str | None:
 
 def _remove_leaked(before: set[str]) -> int:
     """Unlink the segments made since ``before`` (so a leak is counted once); how many."""
-    leaked = _segments() - before
+    leaked = _leaks.segments() - before
     for name in leaked:
         try:
             os.unlink(os.path.join("/dev/shm", name))
@@ -307,7 +283,7 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
     and a last one for the parent's death."""
     control = os.path.join(workdir, "control")
     os.mkdir(control)
-    before_segments = _segments()
+    before_segments = _leaks.segments()
     before_daemons = set(_daemon_pids())  # other trees' (a test session's): not ours to kill
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE, PROCSPAWN_DAEMON_GRACE=str(GRACE))
     log = open(os.path.join(control, "stderr"), "w+")  # noqa: SIM115 (closed below)
@@ -359,15 +335,15 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
             result["orphans"] = sum(_alive(_read_pid(p)) for p in ranks)
             # while the parent lives: nothing but its own array may be left
             end = time.monotonic() + 5
-            while (_segments() - before_segments - own) and time.monotonic() < end:
+            while (_leaks.segments() - before_segments - own) and time.monotonic() < end:
                 time.sleep(0.05)
-            leaked = _segments() - before_segments - own
+            leaked = _leaks.segments() - before_segments - own
             result["leaks"] = len(leaked)
             if leaked:  # who holds them: pids in their tables, and whether each lives
                 from procspawn.sharing.daemon._table import holders
 
                 result["holders"] = {n: [(p, _alive(p)) for p in holders(n)] for n in leaked}
-            result["own_kept"] = own <= _segments()
+            result["own_kept"] = own <= _leaks.segments()
             result["failed"] = result["failed"] or not result["own_kept"]
             results.append(result)
     finally:
@@ -375,10 +351,10 @@ def run_long_lived(rng: random.Random, workdir: str, rounds: int, hang_after: fl
         parent.wait()
     last = {"target": "parent (last)", "killed": "parent", "hang": False, "failed": False}
     end = time.monotonic() + GRACE + 10
-    while (_children() or _segments() - before_segments) and time.monotonic() < end:
+    while (_leaks.children() or _leaks.segments() - before_segments) and time.monotonic() < end:
         time.sleep(0.05)
-    last["orphans"] = len(_children())
-    for pid in _children():
+    last["orphans"] = len(_leaks.children())
+    for pid in _leaks.children():
         os.kill(pid, signal.SIGKILL)
     last["leaks"] = _remove_leaked(before_segments)
     log.seek(0)

@@ -5,10 +5,10 @@ Run::
     python benchmarks/bench_hogwild.py [--ranks N] [--epochs E] [--repeats R] [--quick]
                                        [--progress] [--json out.json]
 
-The model and data of ``examples/hogwild.py`` (softmax regression on scikit-learn's
-digits, minibatch SGD, batch 16, learning rate 0.1), trained by N ranks (default
-min(4, CPUs)) that update one shared model in place with no lock, each on its own shard,
-three ways:
+Softmax regression on scikit-learn's digits (the data of ``examples/hogwild.py``; the demo
+itself trains a wider network), minibatch SGD, batch 16, learning rate 0.1, trained by N
+ranks (default min(4, CPUs)) that update one shared model in place with no lock, each on
+its own shard, three ways:
 
 * procspawn -- ``procspawn.sharing.share_memory_`` on the parameter and data dicts, a
   shared ``stats`` array from ``procspawn.sharing.zeros``, then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,11 @@ def test_example_runs(name):
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("test accuracy: "), last
         assert float(last.split(": ")[1]) >= 0.95, result.stdout
+    if name == "hogwild.py":  # the speed-up line, and the one that shows the sharing
+        lines = result.stdout.strip().splitlines()
+        assert re.fullmatch(r"speed-up with \d+ ranks?: \d+\.\d\d×", lines[-2]), lines[-2]
+        shared = [line for line in lines if line.startswith("model: ")]
+        assert len(shared) == 1 and "in one shared segment" in shared[0], result.stdout
     if name == "pool_resilient.py":  # the crashing chunk retried, the stuck one timed out
         first = result.stdout.strip().splitlines()[-2]
         assert first.startswith("7 of 8 chunks done (the one that crashed its worker: done, "), (

@@ -17,118 +17,95 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import context, pool, sharing
-    from ._dropin import Process, get_context
-    from ._settings import SettingError
-    from .context import (
-        ProcessContext,
-        ProcessException,
-        ProcessExitedException,
-        ProcessRaisedException,
-        ProcessTimeoutError,
-        Progress,
-        RayMissingError,
-        RayResourcesError,
-        progress,
-        spawn,
-        start_processes,
-    )
-    from .context._forkserver import set_forkserver_preload
-    from .context._start_method import get_start_method, set_start_method
-    from .pool import (
-        InitializerError,
-        Pool,
-        ProcessPoolExecutor,
-        TaskTimeoutError,
-        TerminatedWorkerError,
-        get_reusable_executor,
-    )
-    from .sharing import (
-        ChannelClosed,
-        FdLimitError,
-        SharedMemoryFullError,
-        get_all_sharing_strategies,
-        get_sharing_strategy,
-        set_sharing_strategy,
-    )
+    from . import context as context
+    from . import pool as pool
+    from . import sharing as sharing
+    from ._dropin import Process as Process
+    from ._dropin import default_context
+    from ._dropin import get_context as get_context
+    from ._settings import SettingError as SettingError
+    from .context import ProcessContext as ProcessContext
+    from .context import ProcessException as ProcessException
+    from .context import ProcessExitedException as ProcessExitedException
+    from .context import ProcessRaisedException as ProcessRaisedException
+    from .context import ProcessTimeoutError as ProcessTimeoutError
+    from .context import Progress as Progress
+    from .context import RayMissingError as RayMissingError
+    from .context import RayResourcesError as RayResourcesError
+    from .context import progress as progress
+    from .context import spawn as spawn
+    from .context import start_processes as start_processes
+    from .context._forkserver import set_forkserver_preload as set_forkserver_preload
+    from .context._start_method import get_start_method as get_start_method
+    from .context._start_method import set_start_method as set_start_method
+    from .pool import InitializerError as InitializerError
+    from .pool import Pool as Pool
+    from .pool import ProcessPoolExecutor as ProcessPoolExecutor
+    from .pool import TaskTimeoutError as TaskTimeoutError
+    from .pool import TerminatedWorkerError as TerminatedWorkerError
+    from .pool import get_reusable_executor as get_reusable_executor
+    from .sharing import ChannelClosed as ChannelClosed
+    from .sharing import FdLimitError as FdLimitError
+    from .sharing import SharedMemoryFullError as SharedMemoryFullError
+    from .sharing import get_all_sharing_strategies as get_all_sharing_strategies
+    from .sharing import get_sharing_strategy as get_sharing_strategy
+    from .sharing import set_sharing_strategy as set_sharing_strategy
 
-# public name -> (module, attribute); attribute None means the module itself
-_LAZY: dict[str, tuple[str, str | None]] = {
-    "context": (".context", None),
-    "sharing": (".sharing", None),
+    Queue = default_context.Queue
+    JoinableQueue = default_context.JoinableQueue
+    SimpleQueue = default_context.SimpleQueue
+    Pipe = default_context.Pipe
+
+# The one table of public names: name -> (module, attribute path), the attribute path None
+# for a module itself. ``__all__`` and ``__getattr__`` are built from it; the
+# ``TYPE_CHECKING`` imports above say the same for type checkers (tests/test_public_names.py
+# holds them to it).
+_PUBLIC: dict[str, tuple[str, str | None]] = {
+    # spawn: ranks, their results and their failures
+    "spawn": (".context", "spawn"),
+    "start_processes": (".context", "start_processes"),
     "ProcessContext": (".context", "ProcessContext"),
     "ProcessException": (".context", "ProcessException"),
     "ProcessExitedException": (".context", "ProcessExitedException"),
     "ProcessRaisedException": (".context", "ProcessRaisedException"),
     "ProcessTimeoutError": (".context", "ProcessTimeoutError"),
     "Progress": (".context", "Progress"),
+    "progress": (".context", "progress"),
     "RayMissingError": (".context", "RayMissingError"),
     "RayResourcesError": (".context", "RayResourcesError"),
-    "SettingError": ("._settings", "SettingError"),
-    "ChannelClosed": (".sharing", "ChannelClosed"),
-    "FdLimitError": (".sharing", "FdLimitError"),
-    "SharedMemoryFullError": (".sharing", "SharedMemoryFullError"),
-    "progress": (".context._progress", "progress"),
-    "set_forkserver_preload": (".context._forkserver", "set_forkserver_preload"),
-    "spawn": (".context", "spawn"),
-    "start_processes": (".context", "start_processes"),
-    "Process": ("._dropin", "Process"),
-    "get_context": ("._dropin", "get_context"),
     "get_start_method": (".context._start_method", "get_start_method"),
     "set_start_method": (".context._start_method", "set_start_method"),
-    "InitializerError": (".pool", "InitializerError"),
+    "set_forkserver_preload": (".context._forkserver", "set_forkserver_preload"),
+    # the pools
     "Pool": (".pool", "Pool"),
     "ProcessPoolExecutor": (".pool", "ProcessPoolExecutor"),
+    "get_reusable_executor": (".pool", "get_reusable_executor"),
+    "InitializerError": (".pool", "InitializerError"),
     "TaskTimeoutError": (".pool", "TaskTimeoutError"),
     "TerminatedWorkerError": (".pool", "TerminatedWorkerError"),
-    "get_reusable_executor": (".pool", "get_reusable_executor"),
-    "pool": (".pool", None),
+    # sharing arrays
     "get_all_sharing_strategies": (".sharing", "get_all_sharing_strategies"),
     "get_sharing_strategy": (".sharing", "get_sharing_strategy"),
     "set_sharing_strategy": (".sharing", "set_sharing_strategy"),
+    "ChannelClosed": (".sharing", "ChannelClosed"),
+    "FdLimitError": (".sharing", "FdLimitError"),
+    "SharedMemoryFullError": (".sharing", "SharedMemoryFullError"),
+    # multiprocessing's names that procspawn makes its own (the default context's methods)
+    "Process": ("._dropin", "Process"),
+    "get_context": ("._dropin", "get_context"),
+    "Queue": ("._dropin", "default_context.Queue"),
+    "JoinableQueue": ("._dropin", "default_context.JoinableQueue"),
+    "SimpleQueue": ("._dropin", "default_context.SimpleQueue"),
+    "Pipe": ("._dropin", "default_context.Pipe"),
+    # settings
+    "SettingError": ("._settings", "SettingError"),
+    # the subpackages
+    "context": (".context", None),
+    "pool": (".pool", None),
+    "sharing": (".sharing", None),
 }
-# bound methods of procspawn's default context (multiprocessing's default start method)
-_DEFAULT_CONTEXT_METHODS = ("Queue", "JoinableQueue", "SimpleQueue", "Pipe")
 
-__all__ = [
-    "ChannelClosed",
-    "FdLimitError",
-    "InitializerError",
-    "JoinableQueue",
-    "Pipe",
-    "Pool",
-    "Process",
-    "ProcessContext",
-    "ProcessException",
-    "ProcessExitedException",
-    "ProcessPoolExecutor",
-    "ProcessRaisedException",
-    "ProcessTimeoutError",
-    "Progress",
-    "Queue",
-    "RayMissingError",
-    "RayResourcesError",
-    "SettingError",
-    "SharedMemoryFullError",
-    "SimpleQueue",
-    "TaskTimeoutError",
-    "TerminatedWorkerError",
-    "__version__",
-    "context",
-    "get_all_sharing_strategies",
-    "get_context",
-    "get_reusable_executor",
-    "get_sharing_strategy",
-    "get_start_method",
-    "pool",
-    "progress",
-    "set_forkserver_preload",
-    "set_sharing_strategy",
-    "set_start_method",
-    "sharing",
-    "spawn",
-    "start_processes",
-]
+__all__ = sorted([*_PUBLIC, "__version__"])
 
 # The rest of multiprocessing's public names (Lock, Event, Manager, cpu_count, ...), as they
 # are, for `import procspawn as mp`.
@@ -138,16 +115,13 @@ __all__ += _MP_NAMES
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name, __name__)
-        value = module if attr is None else getattr(module, attr)
-    elif name in _DEFAULT_CONTEXT_METHODS:
-        from ._dropin import default_context
-
-        value = getattr(default_context, name)
-    else:
-        raise AttributeError(f"module 'procspawn' has no attribute {name!r}")
+    try:
+        module_name, path = _PUBLIC[name]
+    except KeyError:
+        raise AttributeError(f"module 'procspawn' has no attribute {name!r}") from None
+    value: Any = importlib.import_module(module_name, __name__)
+    for attr in path.split(".") if path else ():
+        value = getattr(value, attr)
     globals()[name] = value
     return value
 

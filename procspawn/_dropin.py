@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context as mpc
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 from .context._start_method import get_start_method, set_start_method
 from .sharing.channels._connection import Pipe as _Pipe
@@ -29,6 +30,10 @@ from .sharing.channels._queues import SimpleQueue as _SimpleQueue
 from .sharing.channels._startup import StartupMessage
 from .sharing.segments import _strategy
 from .sharing.wire import _pickler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pool import _pool
+    from .sharing.channels import _connection, _queues
 
 
 class _Call:
@@ -40,7 +45,7 @@ class _Call:
         self.kwargs: Any = kwargs
         self.sent: list[StartupMessage] = []
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         deferred: list[Any] = []
         message = _pickler.dumps(
             (_strategy.snapshot(), self.target, self.args, self.kwargs), deferred=deferred
@@ -84,9 +89,18 @@ class _ProcessMixin:
     _procspawn_calls: list[_Call]
 
     def start(self) -> None:
+        """Start the process, as ``multiprocessing.Process.start`` does.
+
+        Raises:
+            pickle.PicklingError: (under "spawn" and "forkserver") ``target`` or an
+                argument cannot be sent to another process.
+            TypeError: (likewise) an argument's type cannot be pickled at all.
+            AssertionError: the process was started already, as the stdlib's.
+        """
         calls: list[_Call] = []
         self._procspawn_calls = calls  # filled by __getstate__ if the process is pickled
         try:
+            # a mixin: the multiprocessing Process class it is mixed into has start()
             super().start()  # type: ignore[misc]
         except BaseException:
             for call in calls:
@@ -119,7 +133,45 @@ class _ProcessMixin:
 
 class Process(_ProcessMixin, mpc.Process):
     """``multiprocessing.Process`` whose arguments share arrays, started with procspawn's
-    default start method (``procspawn.get_start_method()``)."""
+    default start method (``procspawn.get_start_method()``).
+
+    The same constructor and methods as ``multiprocessing.Process`` (``start``, ``join``,
+    ``terminate``, ``kill``, ``exitcode``, ...). What differs: ``target`` and its
+    arguments are pickled by procspawn as the process starts (cloudpickle for code, so a
+    lambda or a function of ``__main__`` works; shared memory for NumPy arrays, so an
+    array made with ``procspawn.sharing.zeros`` is the same memory in both processes),
+    and the start method is procspawn's default ("forkserver") instead of
+    multiprocessing's. ``procspawn.get_context(method).Process`` uses another one.
+
+    Args:
+        group: always None (as for ``threading.Thread``).
+        target: the callable the process runs, as ``target(*args, **kwargs)``.
+        name: the process name.
+        args: positional arguments for ``target``.
+        kwargs: keyword arguments for ``target``.
+        daemon: whether the process is daemonic (None: inherited from this process).
+
+    Raises:
+        pickle.PicklingError: (from ``start()``, under "spawn" and "forkserver")
+            ``target`` or an argument cannot be sent to another process.
+        TypeError: (likewise) an argument's type cannot be pickled at all (a lock of
+            the ``threading`` module, say), as ``pickle`` says.
+
+    Example::
+
+        import procspawn
+        from procspawn import sharing
+
+        def fill(array, value):
+            array[:] = value
+
+        if __name__ == "__main__":
+            array = sharing.zeros(3)
+            p = procspawn.Process(target=fill, args=(array, 7.0))
+            p.start()
+            p.join()
+            assert p.exitcode == 0 and array.tolist() == [7.0, 7.0, 7.0]
+    """
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:
@@ -139,58 +191,104 @@ class ForkServerProcess(_ProcessMixin, mpc.ForkServerProcess):
 
 
 class _ContextMixin:
-    def get_context(self, method: str | None = None) -> Any:
+    def get_context(self, method: str | None = None) -> ProcspawnContext:
         if method is None:
-            return self
+            return self  # type: ignore[return-value]  # every user is a ProcspawnContext
         return get_context(method)
 
-    def Pipe(self, duplex: bool = True) -> Any:
-        """A pair of procspawn Connections (arrays travel as shared-memory handles)."""
+    def Pipe(self, duplex: bool = True) -> tuple[_connection.Connection, _connection.Connection]:
+        """A pair of procspawn Connections (arrays travel as shared-memory handles).
+
+        ``multiprocessing.Pipe``'s interface: ``send``/``recv``, ``send_bytes``/
+        ``recv_bytes``, ``poll``, ``close``.
+
+        Args:
+            duplex: both ends send and receive (True), or the first end only receives and
+                the second only sends (False).
+
+        Returns:
+            The two ends, ``(receive end, send end)`` when ``duplex`` is False.
+        """
         return _Pipe(duplex)
 
-    def Queue(self, maxsize: int = 0) -> Any:
-        """A procspawn Queue (arrays travel as shared-memory handles)."""
+    def Queue(self, maxsize: int = 0) -> _queues.Queue:
+        """A procspawn Queue (arrays travel as shared-memory handles).
+
+        ``multiprocessing.Queue``'s interface: ``put``/``get`` (with ``block`` and
+        ``timeout``), ``qsize``, ``empty``, ``full``, ``close``, ``join_thread``.
+
+        Args:
+            maxsize: at most this many items in the queue (``put`` blocks when it is
+                full); 0 or less: no limit.
+
+        Returns:
+            The queue, to pass to processes as an argument (at their start).
+        """
         return _Queue(maxsize, ctx=self.get_context())
 
-    def JoinableQueue(self, maxsize: int = 0) -> Any:
-        """A procspawn JoinableQueue."""
+    def JoinableQueue(self, maxsize: int = 0) -> _queues.JoinableQueue:
+        """A procspawn JoinableQueue: a Queue with ``task_done()`` and ``join()``.
+
+        Args:
+            maxsize: as for ``Queue``.
+
+        Returns:
+            The queue.
+        """
         return _JoinableQueue(maxsize, ctx=self.get_context())
 
-    def SimpleQueue(self) -> Any:
-        """A procspawn SimpleQueue."""
+    def SimpleQueue(self) -> _queues.SimpleQueue:
+        """A procspawn SimpleQueue: ``put`` sends at once, ``get``, ``empty``, ``close``.
+
+        Returns:
+            The queue.
+        """
         return _SimpleQueue(ctx=self.get_context())
 
     def Pool(
         self,
         processes: int | None = None,
-        initializer: Any = None,
-        initargs: Any = (),
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[object] = (),
         maxtasksperchild: int | None = None,
-    ) -> Any:
-        """A ``procspawn.Pool`` whose workers start with this context's method."""
+    ) -> _pool.Pool:
+        """A ``procspawn.Pool`` whose workers start with this context's method.
+
+        Args:
+            processes: as for ``procspawn.Pool``.
+            initializer: as for ``procspawn.Pool``.
+            initargs: as for ``procspawn.Pool``.
+            maxtasksperchild: as for ``procspawn.Pool``.
+
+        Returns:
+            The pool.
+        """
         from .pool import Pool
 
         return Pool(processes, initializer, initargs, maxtasksperchild, context=self.get_context())
 
 
-class SpawnContext(_ContextMixin, mpc.SpawnContext):
+# The contexts are drop-ins whose Queue, Pipe and Pool are procspawn's, not the types
+# typeshed gives the stdlib's contexts: hence the ignores of the incompatible definitions.
+class SpawnContext(_ContextMixin, mpc.SpawnContext):  # type: ignore[misc]
     Process = SpawnProcess
 
 
-class ForkContext(_ContextMixin, mpc.ForkContext):
+class ForkContext(_ContextMixin, mpc.ForkContext):  # type: ignore[misc]
     Process = ForkProcess
 
 
-class ForkServerContext(_ContextMixin, mpc.ForkServerContext):
+class ForkServerContext(_ContextMixin, mpc.ForkServerContext):  # type: ignore[misc]
     Process = ForkServerProcess
 
 
-class DefaultContext(_ContextMixin, mpc.BaseContext):
+class DefaultContext(_ContextMixin, mpc.BaseContext):  # type: ignore[misc]
     """Follows procspawn's default start method (``procspawn.set_start_method``)."""
 
     Process = Process
 
-    def get_context(self, method: str | None = None) -> Any:
+    # one of procspawn's contexts, never the stdlib's (typeshed's overloads say those)
+    def get_context(self, method: str | None = None) -> ProcspawnContext:  # type: ignore[override]
         if method is None:
             method = get_start_method()
         return get_context(method)
@@ -202,6 +300,10 @@ class DefaultContext(_ContextMixin, mpc.BaseContext):
         set_start_method(method, force)
 
 
+if TYPE_CHECKING:  # pragma: no cover
+    # what get_context() returns: one of these, by start method
+    ProcspawnContext: TypeAlias = SpawnContext | ForkContext | ForkServerContext
+
 _contexts: dict[str, Any] = {
     name: cls()
     for name, cls in [
@@ -211,14 +313,53 @@ _contexts: dict[str, Any] = {
     ]
     if name in multiprocessing.get_all_start_methods()
 }
-default_context = DefaultContext()
+default_context: DefaultContext = DefaultContext()
 
 
-def get_context(method: str | None = None) -> Any:
+@overload
+def get_context(method: Literal["spawn"]) -> SpawnContext: ...
+@overload
+def get_context(method: Literal["fork"]) -> ForkContext: ...
+@overload
+def get_context(method: Literal["forkserver"]) -> ForkServerContext: ...
+@overload
+def get_context(method: str | None = None) -> ProcspawnContext: ...
+
+
+def get_context(method: str | None = None) -> ProcspawnContext:
     """A multiprocessing context whose Process, queues, Pipe and Pool share arrays.
 
+    As ``multiprocessing.get_context(method)`` (it subclasses the stdlib's context), but
+    its ``Process`` pickles target and arguments with procspawn (cloudpickle for code,
+    shared memory for arrays), its ``Queue``, ``JoinableQueue``, ``SimpleQueue`` and
+    ``Pipe`` are procspawn's, and its ``Pool`` is ``procspawn.Pool`` with that start
+    method. The stdlib's own objects are not changed.
+
+    Args:
+        method: "spawn", "forkserver" or "fork"; None: procspawn's default start method
+            (``procspawn.get_start_method()``).
+
+    Returns:
+        The context of that start method (one per method and program).
+
     Raises:
-        ValueError: ``method`` is not a start method of this platform.
+        ValueError: ``method`` is not a start method of this platform, or
+            ``PROCSPAWN_START_METHOD`` names none when ``method`` is None.
+
+    Example::
+
+        import procspawn
+
+        def double(x):
+            return 2 * x
+
+        if __name__ == "__main__":
+            ctx = procspawn.get_context("spawn")
+            queue = ctx.Queue()
+            with ctx.Pool(2) as pool:
+                assert pool.map(double, [1, 2, 3]) == [2, 4, 6]
+            queue.put([1, 2])
+            assert queue.get() == [1, 2]
     """
     if method is None:
         method = get_start_method()
@@ -226,4 +367,5 @@ def get_context(method: str | None = None) -> Any:
         raise ValueError(
             f"unknown start method {method!r}; this platform has: {', '.join(_contexts)}"
         )
-    return _contexts[method]
+    context: ProcspawnContext = _contexts[method]
+    return context

@@ -18,7 +18,12 @@ from typing import Any
 
 
 class SettingError(ValueError):
-    """A ``PROCSPAWN_*`` environment variable has a value procspawn cannot use."""
+    """A ``PROCSPAWN_*`` environment variable has a value procspawn cannot use.
+
+    Raised by the first call that needs the setting (variables are read then, not at
+    import); the message names the variable, its value and what it accepts. Fix or
+    unset the variable. A ``ValueError``.
+    """
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -7,20 +7,22 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._errors import (
-        ProcessException,
-        ProcessExitedException,
-        ProcessRaisedException,
-        ProcessTimeoutError,
-        RayMissingError,
-        RayResourcesError,
-    )
-    from ._process_context import ProcessContext
-    from ._progress import Progress, progress
-    from ._spawn import spawn, start_processes
+    from ._errors import ProcessException as ProcessException
+    from ._errors import ProcessExitedException as ProcessExitedException
+    from ._errors import ProcessRaisedException as ProcessRaisedException
+    from ._errors import ProcessTimeoutError as ProcessTimeoutError
+    from ._errors import RayMissingError as RayMissingError
+    from ._errors import RayResourcesError as RayResourcesError
+    from ._process_context import ProcessContext as ProcessContext
+    from ._progress import Progress as Progress
+    from ._progress import progress as progress
+    from ._ray import RayContext as RayContext
+    from ._spawn import spawn as spawn
+    from ._spawn import start_processes as start_processes
 
 _LAZY = {
     "ProcessContext": "._process_context",
+    "RayContext": "._ray",
     "ProcessException": "._errors",
     "ProcessExitedException": "._errors",
     "ProcessRaisedException": "._errors",

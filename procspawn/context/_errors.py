@@ -31,7 +31,7 @@ class ProcessException(Exception):
     def __str__(self) -> str:
         return self.msg
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[Any, ...], dict[str, Any]]:
         return (type(self), (self.msg, self.error_index, self.pid), {"results": self.results})
 
 
@@ -69,7 +69,7 @@ class ProcessExitedException(ProcessException):
         self.exit_code = exit_code
         self.signal_name = signal_name
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[Any, ...], dict[str, Any]]:
         return (
             type(self),
             (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name),
@@ -82,6 +82,8 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
 
     ``ranks`` lists the ranks that were still running, ``elapsed`` how long they had run
     (seconds). ``error_index`` and ``pid`` name the first of them. Also a ``TimeoutError``.
+    Give the ranks more time, or find out what those ranks wait for (a rank waiting on a
+    message from one that never sends, say).
     """
 
     def __init__(
@@ -91,7 +93,7 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
         self.ranks = ranks
         self.elapsed = elapsed
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[Any, ...], dict[str, Any]]:
         return (
             type(self),
             (self.msg, self.error_index, self.pid, self.ranks, self.elapsed),
@@ -100,11 +102,22 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
 
 
 class RayMissingError(ImportError):
-    """``backend="ray"`` was asked for, but Ray is not installed."""
+    """``backend="ray"`` was asked for, but Ray is not installed.
+
+    Raised by ``spawn(..., backend="ray")`` before anything starts. Install it
+    (``pip install 'procspawn[ray]'``), or leave ``backend`` out to run the ranks as
+    processes on this machine. An ``ImportError``.
+    """
 
 
 class RayResourcesError(RuntimeError):
-    """The Ray cluster cannot give every rank a CPU (nothing was started)."""
+    """The Ray cluster cannot give every rank a CPU (nothing was started).
+
+    Raised by ``spawn(..., backend="ray")`` when the cluster has fewer CPUs in all than
+    ranks, or could not reserve one for each rank (or start each rank's actor) within
+    ``PROCSPAWN_RAY_READY_TIMEOUT`` seconds; every rank was stopped. Start fewer ranks,
+    add nodes, or wait for other jobs to give back their CPUs (or raise the timeout).
+    """
 
 
 def ctrl_c_in_caller(call: _F) -> _F:
@@ -119,6 +132,7 @@ def ctrl_c_in_caller(call: _F) -> _F:
         except KeyboardInterrupt as interrupt:
             raise interrupt.with_traceback(None) from None  # Ctrl-C while procspawn waited
 
+    # functools.wraps types the wrapper as its own _Wrapped, not as call's type, which it has
     return waiting  # type: ignore[return-value]
 
 

@@ -64,7 +64,21 @@ def set_forkserver_preload(modules: list[str]) -> None:
     (``multiprocessing.set_forkserver_preload``, for the drop-in
     ``get_context("forkserver")``). Takes effect when a server starts: call it before the
     first forkserver start. A module that fails to import there is skipped (the ranks
-    import it themselves)."""
+    import it themselves).
+
+    Args:
+        modules: module names, as ``import`` takes them ("torch", "mypackage.model");
+            they replace the list given by an earlier call.
+
+    Raises:
+        TypeError: ``modules`` is not a list of strings (a single string, say).
+
+    Example::
+
+        import procspawn
+
+        procspawn.set_forkserver_preload(["json", "numpy"])
+    """
     if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
         raise TypeError(f"set_forkserver_preload takes a list of module names, got {modules!r}")
     _user_preload[:] = list(modules)
@@ -102,7 +116,7 @@ class _Popen(popen_forkserver.Popen):
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(
             self,
-            util.close_fds,  # type: ignore[attr-defined]
+            util.close_fds,  # type: ignore[attr-defined]  # not in typeshed
             (parent_w, self.sentinel),
         )
         with open(w, "wb", closefd=True) as f:

@@ -43,6 +43,9 @@ def start_child(
         # shows them, and a child that dies early is explained by its stderr.
         redirect[1] = output.pipe(key, "stdout")
         redirect[2] = output.pipe(key, "stderr")
+        # procspawn's Process classes read the _procspawn_* attributes set here, which
+        # BaseProcess does not declare; get_context(a str) is a BaseContext to typeshed,
+        # which declares no Process
         proc: BaseProcess
         if start_method == "spawn":
             proc = RankSpawnProcess(target=target, args=args, name=name)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from multiprocessing import popen_spawn_posix, reduction, spawn, util
 from multiprocessing.context import SpawnProcess, set_spawning_popen
 from typing import Any
@@ -39,7 +40,7 @@ class RedirectFds:
     def __init__(self, fds: dict[int, int]) -> None:
         self.fds = fds
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[dict[int, Any]]]:
         return (_rebuild, ({target: reduction.DupFd(fd) for target, fd in self.fds.items()},))
 
     def apply(self) -> None:
@@ -60,7 +61,7 @@ class EarlyRedirect(RedirectFds):
     preparation data, it points the child's output at the pipes before the child imports
     the main module again, so what fails there reaches the parent's error message."""
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[dict[int, Any]]]:
         return (_apply, ({target: reduction.DupFd(fd) for target, fd in self.fds.items()},))
 
 
@@ -124,7 +125,7 @@ class _SpawnPopen(popen_spawn_posix.Popen):
             fds_to_close = [fd for fd in (parent_r, parent_w) if fd is not None]
             self.finalizer = util.Finalize(
                 self,
-                util.close_fds,  # type: ignore[attr-defined]
+                util.close_fds,  # type: ignore[attr-defined]  # not in typeshed
                 fds_to_close,
             )
             for fd in (child_r, child_w):

@@ -19,7 +19,8 @@ import time
 import weakref
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._output import OutputForwarder
 from ..sharing._errors import ChannelClosed, FdLimitError
@@ -44,22 +45,40 @@ from ._watch import (
     stop,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from ..sharing.channels._startup import StartupMessage
+
 __all__ = ["ProcessContext", "default_grace_period"]
 
 _PROGRESS_TICK = 0.1  # seconds between progress redraws while joining
 _OUTPUT_DRAIN = 1.0  # seconds to wait for a dead rank's last output
 _MISSING: Any = object()
+_R = TypeVar("_R")  # what the ranks' function returns
 
 
-class ProcessContext:
+class ProcessContext(Generic[_R]):
     """The running ranks of one ``spawn(..., join=False)`` call.
 
-    Poll it with ``join(timeout)``; stop it with ``terminate()``; or use it as a context
-    manager, which stops whatever still runs when the block is left::
+    ``spawn`` makes it; it is not made by hand. Poll it with ``join(timeout)``; stop it
+    with ``terminate()``; or use it as a context manager, which stops whatever still runs
+    when the block is left (Ctrl-C in the block stops the ranks as ``join`` does)::
 
         with procspawn.spawn(fn, nprocs=4, join=False) as ctx:
             while not ctx.join(timeout=1.0):
                 ...
+            print(ctx.results)
+
+    A context dropped without ``join`` or ``terminate`` lets go of its channels and
+    shared memory when it is garbage-collected; its processes are not stopped then.
+
+    Args:
+        processes: the started ranks, by rank.
+        channels: the parent's end of each rank's result channel, by rank.
+        keepalive: the spawn payload, closed with the context (the ranks map its
+            shared segments while they start).
+        output: the forwarder of the ranks' stdout and stderr, closed with the context.
+        progress: the progress display, or None.
+        grace_period: the default of ``join`` and ``terminate``.
 
     Attributes:
         processes: the ``multiprocessing.Process`` objects, by rank.
@@ -70,7 +89,7 @@ class ProcessContext:
         self,
         processes: list[BaseProcess],
         channels: list[socket.socket],
-        keepalive: Any = None,
+        keepalive: StartupMessage | None = None,
         *,
         output: OutputForwarder | None = None,
         progress: Progress | None = None,
@@ -111,16 +130,26 @@ class ProcessContext:
         self._done = threading.Event()  # set once closed
 
     def pids(self) -> list[int]:
-        """The process ids, by rank."""
+        """The process ids of the ranks.
+
+        Returns:
+            The pid of each rank, by rank (the processes are started by then).
+        """
+        # a started process has its pid (BaseProcess.pid is typed int | None)
         return [p.pid for p in self.processes]  # type: ignore[misc]
 
     @property
-    def results(self) -> list[Any]:
+    def results(self) -> list[_R | None]:
         """The return values by rank.
 
-        Complete once ``join()`` returned True. After a failure or ``terminate()``, the
-        values of the ranks that had finished, None for the others (the same list as the
-        exception's ``results``). Raises RuntimeError while ranks still run.
+        Complete once ``join()`` returned True (None for a rank that ended with
+        ``sys.exit(0)``). After a failure or ``terminate()``, the values of the ranks
+        that had finished, None for the others (the same list as the exception's
+        ``results``).
+
+        Raises:
+            RuntimeError: ranks are still running (``join()`` has not returned True and
+                nothing stopped them).
         """
         if not self._closed:
             raise RuntimeError(
@@ -129,10 +158,15 @@ class ProcessContext:
             )
         return [None if r is _MISSING else r for r in self._results]
 
-    def __enter__(self) -> ProcessContext:
+    def __enter__(self) -> ProcessContext[_R]:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._closed:
             return
         if isinstance(exc, KeyboardInterrupt):  # Ctrl-C in the block: as in join()
@@ -141,9 +175,16 @@ class ProcessContext:
             self.terminate()
 
     def terminate(self, grace_period: float | None = None) -> None:
-        """Stop every rank still running (SIGTERM, then SIGKILL after the grace period)
-        and release the context. Ranks that had finished keep their ``results``; later
-        ``join()`` calls return True. Does nothing once the context is closed."""
+        """Stop every rank still running and release the context.
+
+        Each rank gets SIGTERM, then SIGKILL after the grace period. Ranks that had
+        finished keep their ``results``; later ``join()`` calls return True. Does nothing
+        once the context is closed. A ``join()`` waiting in another thread returns.
+
+        Args:
+            grace_period: seconds between SIGTERM and SIGKILL (default: spawn's
+                ``grace_period``, env ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
+        """
         if self._closed:
             return
         with self._lock:  # a join() in another thread is between two waits
@@ -155,6 +196,9 @@ class ProcessContext:
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
         """Wait for the ranks.
 
+        The first failure, whatever the rank, stops every other rank before it is
+        raised; once a call raised, every later call raises the same error again.
+
         Args:
             timeout: seconds to wait at most; None waits until every rank is done.
             grace_period: on a failure, seconds between SIGTERM and SIGKILL for the
@@ -162,8 +206,9 @@ class ProcessContext:
                 ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
 
         Returns:
-            True when every rank finished successfully (``results`` is then ready),
-            False when ``timeout`` passed with ranks still running.
+            True when every rank finished successfully, or the context was stopped by
+            ``terminate()`` (``results`` is then ready), False when ``timeout`` passed
+            with ranks still running.
 
         Raises:
             ProcessRaisedException: a rank raised (its traceback is in the message).
@@ -228,13 +273,15 @@ class ProcessContext:
             return self._grace_period
         return default_grace_period()
 
-    def _run_to_end(self, timeout: float | None) -> list[Any]:
+    def _run_to_end(self, timeout: float | None) -> list[_R]:
         """spawn(join=True): join until done or ``timeout`` seconds after the start."""
         deadline = None if timeout is None else self._started + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if self.join(remaining):
-                return self.results
+                # every rank returned (None only for a sys.exit(0), which spawn documents)
+                done: list[Any] = self.results
+                return done
             if deadline is not None and time.monotonic() >= deadline:
                 self._time_out()
 
@@ -250,7 +297,7 @@ class ProcessContext:
             f"{elapsed:.1f} s; every rank was stopped (SIGTERM, then SIGKILL after "
             f"{grace:g} s)",
             first,
-            pid,  # type: ignore[arg-type]
+            pid,  # type: ignore[arg-type]  # started processes: it has a pid
             running,
             elapsed,
         )
@@ -298,13 +345,13 @@ class ProcessContext:
                 f"process {rank} (pid {self.processes[rank].pid}) terminated with the "
                 f"following error:\nits result could not be received by the parent: {exc}",
                 rank,
-                self.processes[rank].pid,  # type: ignore[arg-type]
+                self.processes[rank].pid,  # type: ignore[arg-type]  # started: it has a pid
             ) from exc
         except OSError:
             reader.eof = True  # a broken channel: the exit code will tell what happened
 
     def _on_message(self, rank: int, data: bytes, fds: list[int]) -> None:
-        pid: int = self.processes[rank].pid  # type: ignore[assignment]
+        pid: int = self.processes[rank].pid  # type: ignore[assignment]  # started: has a pid
         try:
             message = _pickler.loads(data, fds)
         except Exception as exc:
@@ -343,7 +390,7 @@ class ProcessContext:
         if code == 0:
             self._results[rank] = None  # sys.exit(0) / sys.exit(None): a clean exit
             return
-        pid: int = proc.pid  # type: ignore[assignment]
+        pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
         how, name = describe_exit(code, pid=pid, oom_kills_before=self._oom_kills)
         raise ProcessExitedException(
             f"process {rank} (pid {pid}) {how}" + self._last_words(rank), rank, pid, code, name
@@ -410,7 +457,7 @@ def _release(
     readers: list[MessageReader],
     output: OutputForwarder | None,
     progress: Progress | None,
-    keepalive: Any,
+    keepalive: StartupMessage | None,
     watcher: Watcher,
     owned: list[int],
 ) -> None:

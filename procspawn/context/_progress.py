@@ -16,7 +16,10 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
 
 _SLOT = 8  # int64 values per rank: 64 bytes, one cache line
 _INTERVAL_TTY = 0.1  # seconds between redraws on a terminal
@@ -30,7 +33,25 @@ _lock = threading.Lock()  # a read-add-write of the slot is not atomic between t
 def progress(n: int = 1) -> None:
     """Add ``n`` to this rank's progress counter (a no-op unless the parent asked for it).
 
-    Any thread of the rank may call it.
+    Any thread of the rank may call it; it costs one write to shared memory (no message),
+    so calling it on every step is fine. The parent asks for it with
+    ``spawn(..., progress=...)``; elsewhere (no such parent, or in the parent itself) it
+    does nothing.
+
+    Args:
+        n: the steps done since the last call.
+
+    Example::
+
+        import procspawn
+
+        def work(rank, steps):
+            for _ in range(steps):
+                procspawn.progress()  # one step done
+            return rank
+
+        if __name__ == "__main__":
+            procspawn.spawn(work, args=(100,), nprocs=2, progress=200)
     """
     counter = _counter
     if counter is not None:
@@ -67,7 +88,27 @@ class Progress:
 
     ``count`` and ``counts`` can be read at any time, e.g. while polling a
     ``ProcessContext`` (``ctx.progress.count``); ``render()`` redraws the display at most
-    once per interval and ``close()`` ends it.
+    once per interval and ``close()`` ends it. The pools take one too
+    (``Pool.map(..., progress=...)``), counting finished items.
+
+    Raises:
+        TypeError: ``total`` is not an int or None.
+        ValueError: ``total`` is negative.
+        ImportError: (when it first draws) ``use_tqdm=True`` but tqdm is not installed.
+
+    Example::
+
+        import procspawn
+
+        def work(rank, steps):
+            for _ in range(steps):
+                procspawn.progress()
+            return rank
+
+        if __name__ == "__main__":
+            shown = procspawn.Progress(total=40, desc="steps", per_rank=True)
+            procspawn.spawn(work, args=(10,), nprocs=4, progress=shown)
+            assert shown.count == 40 and shown.counts == [10, 10, 10, 10]
     """
 
     def __init__(
@@ -98,18 +139,18 @@ class Progress:
 
     # -- the parent side ---------------------------------------------------------------
 
-    def _allocate(self, nprocs: int) -> Any:
+    def _allocate(self, nprocs: int) -> np.ndarray:
         """Make the shared counters for ``nprocs`` ranks (called by spawn)."""
         from ..sharing import zeros
 
-        self._counters = zeros(nprocs * _SLOT, dtype="int64")
+        counters = self._counters = zeros(nprocs * _SLOT, dtype="int64")
         self._nprocs = nprocs
         self._started = time.monotonic()
         self._last_draw = 0.0  # a Progress used again: a display of its own
         self._bar = None
         self._plain_width = 0
         self._closed = False
-        return self._counters
+        return counters
 
     def _count_here(self, total: int | None = None) -> None:
         """Count in this process instead (a pool call counts its finished tasks with
@@ -140,7 +181,11 @@ class Progress:
         return sum(self.counts)
 
     def rates(self) -> list[float]:
-        """Average steps per second of each rank since the ranks started."""
+        """Average steps per second of each rank since the ranks started.
+
+        Returns:
+            One rate per rank, by rank (empty before the ranks start).
+        """
         elapsed = max(1e-9, time.monotonic() - self._started)
         return [c / elapsed for c in self.counts]
 
@@ -153,7 +198,14 @@ class Progress:
             return False
 
     def render(self, force: bool = False) -> None:
-        """Redraw the display (at most once per interval unless ``force``)."""
+        """Redraw the display (at most once per interval unless ``force``).
+
+        ``ProcessContext.join`` and the pools call it while they wait; it draws nothing
+        when the display is not shown (see ``show``) or was closed.
+
+        Args:
+            force: draw now, however recently the last drawing was.
+        """
         if self._closed or self._counters is None:
             return
         now = time.monotonic()

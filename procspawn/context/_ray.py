@@ -29,8 +29,9 @@ import time
 import traceback
 import types
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
@@ -48,6 +49,7 @@ from ._errors import (
 _OBJECT_STORE_BYTES = 256 << 20  # a local cluster of our own: a small object store
 _SETTLE_SECONDS = 3.0  # at most, for a placement group's creation under way to finish
 _TICK = 0.2  # seconds between looks while joining, so Ctrl-C is seen promptly
+_R = TypeVar("_R")  # what the ranks' function returns
 
 
 def import_ray() -> Any:
@@ -221,14 +223,14 @@ def _disconnect(ray: Any) -> None:
 
 
 def start_ray(
-    fn: Any,
+    fn: Callable[..., _R],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     nprocs: int,
     join: bool,
     timeout: float | None,
     ray_address: str | None,
-) -> Any:
+) -> list[_R] | RayContext[_R]:
     """The body of ``start_processes(..., backend="ray")`` once arguments are checked."""
     refuse_shared_arrays(args, kwargs)
     try:
@@ -242,7 +244,7 @@ def start_ray(
     ray = import_ray()
     deadline = None if timeout is None else time.monotonic() + timeout
     owned = _connect(ray, ray_address, nprocs)
-    context = RayContext(ray, fn, args, kwargs, nprocs, owned, deadline)
+    context: RayContext[_R] = RayContext(ray, fn, args, kwargs, nprocs, owned, deadline)
     if not join:
         return context
     return context._run_to_end(None if deadline is None else deadline - time.monotonic())
@@ -286,7 +288,7 @@ class _Held:
             _disconnect(ray)
 
 
-class RayContext:
+class RayContext(Generic[_R]):
     """The running ranks of one ``spawn(..., backend="ray", join=False)`` call.
 
     The same interface as ``ProcessContext``: ``join(timeout)``, ``results``, ``pids()``,
@@ -297,7 +299,7 @@ class RayContext:
     def __init__(
         self,
         ray: Any,
-        fn: Any,
+        fn: Callable[..., _R],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         nprocs: int,
@@ -422,9 +424,13 @@ class RayContext:
         return list(self._nodes)
 
     @property
-    def results(self) -> list[Any]:
+    def results(self) -> list[_R | None]:
         """The return values by rank, once ``join()`` returned True (after a failure or
-        ``terminate()``: those of the ranks that had finished, None for the others)."""
+        ``terminate()``: those of the ranks that had finished, None for the others).
+
+        Raises:
+            RuntimeError: ranks are still running.
+        """
         if not self._closed:
             raise RuntimeError(
                 "results are available once join() has returned True (or the ranks were "
@@ -432,23 +438,44 @@ class RayContext:
             )
         return list(self._results)
 
-    def __enter__(self) -> RayContext:
+    def __enter__(self) -> RayContext[_R]:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.terminate()
 
     def terminate(self, grace_period: float | None = None) -> None:
-        """Stop every rank still running (``ray.kill``, at once: ``grace_period`` is
-        accepted for ``ProcessContext``'s signature), remove the placement group, and shut
-        down a local cluster procspawn started. Later ``join()`` calls return True."""
+        """Stop every rank still running (``ray.kill``, at once), remove the placement
+        group, and shut down a local cluster procspawn started. Later ``join()`` calls
+        return True.
+
+        Args:
+            grace_period: accepted for ``ProcessContext.terminate``'s signature; unused.
+        """
         self._stop()
 
     def join(self, timeout: float | None = None, grace_period: float | None = None) -> bool:
-        """Wait for the ranks: True when all finished (``results`` ready), False when
-        ``timeout`` passed. Raises as ``ProcessContext.join`` does: the first failure,
-        whatever rank, after every other rank was stopped (``grace_period`` is accepted
-        for the same signature; ``ray.kill`` stops an actor at once)."""
+        """Wait for the ranks, as ``ProcessContext.join`` does.
+
+        Args:
+            timeout: seconds to wait at most; None waits until every rank is done.
+            grace_period: accepted for ``ProcessContext.join``'s signature; unused
+                (``ray.kill`` stops an actor at once).
+
+        Returns:
+            True when all finished (``results`` ready), False when ``timeout`` passed.
+
+        Raises:
+            ProcessRaisedException: a rank raised, or Ray could not run it.
+            ProcessExitedException: a rank's actor died, or it exited with a non-zero
+                code.
+            ProcessException: a later call, after the wait was interrupted (Ctrl-C).
+        """
         if self._error is not None:
             raise self._error
         if self._closed:
@@ -530,9 +557,11 @@ class RayContext:
             pid,
         ) from unpickled_cause(blob)
 
-    def _run_to_end(self, timeout: float | None) -> list[Any]:
+    def _run_to_end(self, timeout: float | None) -> list[_R]:
         if self.join(timeout):
-            return self.results
+            # every rank returned (None only for a sys.exit(0), which spawn documents)
+            done: list[Any] = self.results
+            return done
         running = [r for r, done in enumerate(self._done) if not done]
         elapsed = time.monotonic() - self._started
         listed = ", ".join(f"{r} (pid {self._pids[r]})" for r in running)

@@ -22,9 +22,9 @@ import os
 import pickle
 import socket
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from .._output import OutputForwarder
 from ..sharing.channels._startup import StartupMessage
@@ -33,8 +33,11 @@ from . import _worker
 from ._errors import ctrl_c_in_caller
 from ._launch import parent_death_signal_is_safe, start_child
 from ._process_context import ProcessContext
-from ._progress import as_progress
+from ._progress import Progress, as_progress
 from ._start_method import get_start_method
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._ray import RayContext
 
 
 def _check(
@@ -131,73 +134,147 @@ def _raise_pickling_error(
     ) from exc
 
 
-@ctrl_c_in_caller
+_R = TypeVar("_R")  # what ``fn`` returns
+
+
+@overload
 def start_processes(
-    fn: Any,
-    args: tuple[Any, ...] = (),
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    join: Literal[True] = True,
+    daemon: bool = False,
+    start_method: str | None = None,
+    *,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
+) -> list[_R]: ...
+
+
+@overload
+def start_processes(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    *,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = None,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: Literal["process"] = "process",
+    ray_address: str | None = None,
+) -> ProcessContext[_R]: ...
+
+
+@overload
+def start_processes(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    *,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = None,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: Literal["ray"],
+    ray_address: str | None = None,
+) -> RayContext[_R]: ...
+
+
+@overload
+def start_processes(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
     start_method: str | None = None,
     *,
-    kwargs: dict[str, Any] | None = None,
+    kwargs: Mapping[str, object] | None = None,
     timeout: float | None = None,
     grace_period: float | None = None,
-    progress: Any = None,
+    progress: bool | int | Progress | None = None,
     prefix_output: bool = False,
     backend: str = "process",
     ray_address: str | None = None,
-) -> Any:
-    """Run ``fn(rank, *args, **kwargs)`` in ``nprocs`` new processes (or Ray actors).
+) -> list[_R] | ProcessContext[_R] | RayContext[_R]: ...
+
+
+@ctrl_c_in_caller
+def start_processes(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = None,
+    *,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
+) -> list[_R] | ProcessContext[_R] | RayContext[_R]:
+    """Run ``fn(rank, *args, **kwargs)`` in ``nprocs`` new processes: :func:`spawn` itself.
+
+    ``spawn`` calls it with the same arguments; the two names are there because
+    ``torch.multiprocessing`` has both. Everything :func:`spawn` says holds here.
 
     Args:
-        fn: a callable; lambdas, closures and functions defined in ``__main__`` work.
-        args: arguments passed after the rank. NumPy arrays go through shared memory;
-            multiprocessing Queues, Pipes, Locks and Events work as with ``Process``.
-        nprocs: the number of ranks, an int >= 1.
-        join: wait for all ranks and return their results (True), or return a
-            ``ProcessContext`` at once (False).
-        daemon: start the ranks as daemonic processes (they may not start their own).
-        start_method: "spawn", "forkserver" or "fork"; default:
-            ``procspawn.get_start_method()`` (``set_start_method``, else the environment
-            variable ``PROCSPAWN_START_METHOD``, else "forkserver").
-        kwargs: keyword arguments for ``fn``.
-        timeout: with ``join=True``, seconds the ranks may run in all; past it every
-            rank is stopped and ``ProcessTimeoutError`` raised.
-        grace_period: seconds between SIGTERM (SIGINT after Ctrl-C) and SIGKILL when
-            ranks are stopped (default: env ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
-        progress: show progress while joining: an int total of ``procspawn.progress()``
-            steps, True (no total), or a ``procspawn.Progress``.
-        prefix_output: prefix each line the ranks print with ``[rank r]``.
-        backend: ``"process"`` (processes on this machine) or ``"ray"``: the ranks as
-            actors of a Ray cluster, one CPU each, reserved all at once (a placement
-            group), with the same results, failures, timeout and Ctrl-C; needs
-            ``pip install 'procspawn[ray]'``. Arrays in ``args`` reach the ranks through
-            Ray's object store, read-only; procspawn shared arrays are refused (shared
-            writes are one-machine only). ``start_method``, ``daemon``, ``progress`` and
-            ``prefix_output`` do not apply to it.
-        ray_address: with ``backend="ray"``, the cluster to connect to (default
-            ``RAY_ADDRESS``), unless Ray is initialised in this process already (then that
-            one is used); with neither, a local cluster is started for this call and shut
-            down after it.
-
-    Every rank has ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in its
-    environment. Its stdout and stderr go through the parent, live, line by line
-    (prefixed with ``prefix_output``) to ``sys.stdout`` / ``sys.stderr`` (so a notebook
-    shows them), and a rank that dies before ``fn`` runs is explained by what it printed
-    last on stderr.
+        fn: as for :func:`spawn`.
+        args: as for :func:`spawn`.
+        nprocs: as for :func:`spawn`.
+        join: as for :func:`spawn`.
+        daemon: as for :func:`spawn`.
+        start_method: as for :func:`spawn`.
+        kwargs: as for :func:`spawn`.
+        timeout: as for :func:`spawn`.
+        grace_period: as for :func:`spawn`.
+        progress: as for :func:`spawn`.
+        prefix_output: as for :func:`spawn`.
+        backend: as for :func:`spawn`.
+        ray_address: as for :func:`spawn`.
 
     Returns:
-        With ``join=True``, the list of return values by rank; else a ``ProcessContext``
-        (with ``backend="ray"``, a ``RayContext`` with the same methods).
+        With ``join=True``, the list of ``fn``'s return values by rank; with
+        ``join=False``, a :class:`ProcessContext` (a ``RayContext`` with
+        ``backend="ray"``).
 
     Raises:
-        ValueError: bad ``nprocs``, ``timeout`` or ``grace_period``, or an unknown start
-            method.
-        TypeError: ``fn`` is not callable, ``args`` not a tuple or ``kwargs`` not a dict.
+        ValueError: a bad argument; see :func:`spawn`.
+        TypeError: a bad argument; see :func:`spawn`.
+        RuntimeError: called while this process is still starting; see :func:`spawn`.
         pickle.PicklingError: ``fn`` or an argument cannot be pickled (nothing started).
-        ProcessRaisedException, ProcessExitedException, ProcessTimeoutError: a rank failed
-            or ran out of time (see ``ProcessContext.join``).
+        ProcessRaisedException: a rank raised.
+        ProcessExitedException: a rank exited with a non-zero code or was killed.
+        ProcessTimeoutError: ``timeout`` passed.
+        RayMissingError: ``backend="ray"`` without Ray installed.
+        RayResourcesError: the Ray cluster cannot give every rank a CPU.
+
+    Example::
+
+        import procspawn
+
+        def square(rank):
+            return rank * rank
+
+        if __name__ == "__main__":
+            assert procspawn.start_processes(square, nprocs=3) == [0, 1, 4]
     """
     if backend == "ray":
         _check_ray_options(start_method, daemon, progress, prefix_output)
@@ -219,7 +296,7 @@ def start_processes(
     payload = _pickle_payload(fn, args, kwargs, config)
     output = OutputForwarder(prefix=prefix_output)
     processes, channels = _start_all(nprocs, payload, start_method, daemon, output)
-    context = ProcessContext(
+    context: ProcessContext[_R] = ProcessContext(
         processes, channels, payload, output=output, progress=shown, grace_period=grace_period
     )
     if not join:
@@ -288,8 +365,9 @@ def _start_all(
         for thread in helpers:
             thread.join()
     if errors:
+        # the ranks in started have their process and channel; with no error, every rank
         started = [r for r in range(nprocs) if procs[r] is not None]
-        context = ProcessContext(
+        context: ProcessContext[Any] = ProcessContext(
             [procs[r] for r in started],  # type: ignore[misc]
             [socks[r] for r in started],  # type: ignore[misc]
             payload,
@@ -338,25 +416,200 @@ def _start_rank(
         child_end.close()
 
 
-@ctrl_c_in_caller
+@overload
 def spawn(
-    fn: Any,
-    args: tuple[Any, ...] = (),
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    join: Literal[True] = True,
+    daemon: bool = False,
+    start_method: str | None = None,
+    *,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
+) -> list[_R]: ...
+
+
+@overload
+def spawn(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    *,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = None,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: Literal["process"] = "process",
+    ray_address: str | None = None,
+) -> ProcessContext[_R]: ...
+
+
+@overload
+def spawn(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    *,
+    join: Literal[False],
+    daemon: bool = False,
+    start_method: str | None = None,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: Literal["ray"],
+    ray_address: str | None = None,
+) -> RayContext[_R]: ...
+
+
+@overload
+def spawn(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
     nprocs: int = 1,
     join: bool = True,
     daemon: bool = False,
     start_method: str | None = None,
     *,
-    kwargs: dict[str, Any] | None = None,
+    kwargs: Mapping[str, object] | None = None,
     timeout: float | None = None,
     grace_period: float | None = None,
-    progress: Any = None,
+    progress: bool | int | Progress | None = None,
     prefix_output: bool = False,
     backend: str = "process",
     ray_address: str | None = None,
-) -> Any:
-    """Run ``fn(rank, *args, **kwargs)`` for rank in ``range(nprocs)``; see
-    ``start_processes``."""
+) -> list[_R] | ProcessContext[_R] | RayContext[_R]: ...
+
+
+@ctrl_c_in_caller
+def spawn(
+    fn: Callable[..., _R],
+    args: tuple[object, ...] | list[Any] = (),
+    nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str | None = None,
+    *,
+    kwargs: Mapping[str, object] | None = None,
+    timeout: float | None = None,
+    grace_period: float | None = None,
+    progress: bool | int | Progress | None = None,
+    prefix_output: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
+) -> list[_R] | ProcessContext[_R] | RayContext[_R]:
+    """Run ``fn(rank, *args, **kwargs)`` in ``nprocs`` new processes and collect the results.
+
+    Each rank, from 0 to ``nprocs - 1``, is a process of its own (or, with
+    ``backend="ray"``, an actor of a Ray cluster). ``fn`` and its arguments are pickled
+    once for all ranks, code by cloudpickle, so lambdas, closures and functions defined in
+    ``__main__`` work. NumPy arrays in the arguments travel through shared memory: an array
+    made with :func:`procspawn.sharing.zeros` or :func:`procspawn.sharing.share_memory_`
+    is the same memory in the parent and in every rank, so what one writes the others see
+    (Hogwild-style training); any other array arrives as a copy (copied once into shared
+    memory when it has 64 KiB or more, ``PROCSPAWN_INLINE_BYTES``).
+
+    Every rank has ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` in its
+    environment. Its stdout and stderr go through the parent, live, line by line
+    (prefixed with ``prefix_output``) to ``sys.stdout`` / ``sys.stderr`` (so a notebook
+    shows them), and a rank that dies before ``fn`` runs is explained by what it printed
+    last on stderr.
+
+    The first rank to fail (it raises, exits with a non-zero code or is killed) stops
+    every other rank (SIGTERM, then SIGKILL after ``grace_period``) and its failure is
+    raised in the parent, with the return values of the ranks that had finished in the
+    exception's ``results``. Ctrl-C in the parent sends SIGINT to the ranks (their
+    ``finally`` blocks run), stops them the same way and raises ``KeyboardInterrupt``.
+
+    Args:
+        fn: the function each rank runs, as ``fn(rank, *args, **kwargs)``; lambdas,
+            closures and functions defined in ``__main__`` work.
+        args: arguments passed after the rank, a tuple (or a list). NumPy arrays go
+            through shared memory; multiprocessing Queues, Pipes, Locks and Events work
+            as with ``Process``.
+        nprocs: the number of ranks, an int >= 1.
+        join: wait for all ranks and return their results (True), or return a
+            :class:`ProcessContext` at once (False).
+        daemon: start the ranks as daemonic processes (they may not start their own).
+        start_method: "spawn", "forkserver" or "fork"; default:
+            ``procspawn.get_start_method()`` (``set_start_method``, else the environment
+            variable ``PROCSPAWN_START_METHOD``, else "forkserver").
+        kwargs: keyword arguments for ``fn``, a mapping of argument names.
+        timeout: with ``join=True``, seconds the ranks may run in all; past it every
+            rank is stopped and ``ProcessTimeoutError`` raised. None: no limit.
+        grace_period: seconds between SIGTERM (SIGINT after Ctrl-C) and SIGKILL when
+            ranks are stopped (default: env ``PROCSPAWN_GRACE_PERIOD`` or 3 s).
+        progress: show progress while joining: an int total of ``procspawn.progress()``
+            steps, True (no total), or a :class:`Progress`; None or False: none.
+        prefix_output: prefix each line the ranks print with ``[rank r]``.
+        backend: ``"process"`` (processes on this machine) or ``"ray"``: the ranks as
+            actors of a Ray cluster, one CPU each, reserved all at once (a placement
+            group), with the same results, failures, timeout and Ctrl-C; needs
+            ``pip install 'procspawn[ray]'``. Arrays in ``args`` reach the ranks through
+            Ray's object store, read-only; procspawn shared arrays are refused (shared
+            writes are one-machine only). ``start_method``, ``daemon``, ``progress`` and
+            ``prefix_output`` do not apply to it.
+        ray_address: with ``backend="ray"``, the cluster to connect to (default
+            ``RAY_ADDRESS``), unless Ray is initialised in this process already (then that
+            one is used); with neither, a local cluster is started for this call and shut
+            down after it.
+
+    Returns:
+        With ``join=True``, the list of ``fn``'s return values, by rank (None for a rank
+        that ended with ``sys.exit(0)`` instead of returning). With ``join=False``, a
+        :class:`ProcessContext` at once, to ``join()`` or ``terminate()``
+        (with ``backend="ray"``, a ``RayContext`` with the same methods).
+
+    Raises:
+        ValueError: ``nprocs`` is not an int >= 1, ``timeout`` not a number > 0 (or given
+            with ``join=False``), ``grace_period`` not a number >= 0; an unknown start
+            method or backend; ``ray_address`` without ``backend="ray"``, or options that
+            do not apply to it with it; with ``backend="ray"``, a procspawn shared array
+            in the arguments.
+        TypeError: ``fn`` is not callable, ``args`` not a tuple or list, ``kwargs`` not a
+            mapping with string keys, or ``progress`` of another type.
+        RuntimeError: called while this process is still starting: the module calling
+            ``spawn`` at its top level is imported again by the ranks. Put that call
+            under ``if __name__ == "__main__":``.
+        pickle.PicklingError: ``fn`` or an argument cannot be pickled; the message names
+            which. No process was started.
+        ProcessRaisedException: a rank raised; its traceback is in the message and its
+            exception, when it unpickles here, is the ``__cause__``.
+        ProcessExitedException: a rank exited with a non-zero code or was killed by a
+            signal.
+        ProcessTimeoutError: ``timeout`` passed with ranks still running.
+        KeyboardInterrupt: Ctrl-C while waiting; every rank was stopped.
+        RayMissingError: ``backend="ray"`` but Ray is not installed.
+        RayResourcesError: the Ray cluster cannot give every rank a CPU (nothing
+            started).
+
+    Example::
+
+        import numpy as np
+        import procspawn
+        from procspawn import sharing
+
+        def work(rank, weights):
+            weights[rank] = rank + 1.0  # writes the parent's array: it is shared
+            return float(weights.sum())
+
+        if __name__ == "__main__":
+            weights = sharing.zeros(4)
+            results = procspawn.spawn(work, args=(weights,), nprocs=4)
+            assert len(results) == 4
+            assert np.array_equal(weights, [1.0, 2.0, 3.0, 4.0])
+    """
     return start_processes(
         fn,
         args,

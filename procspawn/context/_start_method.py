@@ -36,13 +36,22 @@ def _check(method: object, where: str) -> str:
             f"{where}{method!r} is not a start method of this platform; "
             f"use one of: {', '.join(methods)}"
         )
-    return method  # type: ignore[return-value]
+    return method
 
 
 def get_start_method(allow_none: bool = False) -> str:
     """The start method procspawn uses when none is given: the one set with
     ``set_start_method``, else ``PROCSPAWN_START_METHOD``, else "forkserver" (or "spawn"
     where there is no fork server).
+
+    multiprocessing's own default is neither read nor changed.
+
+    Args:
+        allow_none: accepted for ``multiprocessing.get_start_method``'s signature; there
+            is always a method, so it changes nothing.
+
+    Returns:
+        "forkserver", "spawn" or "fork".
 
     Raises:
         ValueError: ``PROCSPAWN_START_METHOD`` names no start method of this platform.
@@ -58,6 +67,13 @@ def get_start_method(allow_none: bool = False) -> str:
 def set_start_method(method: str | None, force: bool = False) -> None:
     """Set procspawn's default start method (for ``spawn``, ``Pool``, the executors and
     ``Process``); ``None`` with ``force=True`` goes back to the default.
+
+    multiprocessing's own default is not changed. An explicit ``start_method=`` (or
+    ``context=``) argument still wins over it.
+
+    Args:
+        method: "forkserver", "spawn" or "fork"; None: back to the default.
+        force: change a method that was set already.
 
     Raises:
         RuntimeError: it was set already (pass ``force=True`` to change it).

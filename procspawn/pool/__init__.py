@@ -23,12 +23,23 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._errors import InitializerError, TaskTimeoutError, TerminatedWorkerError
-    from ._executor import Future, ProcessPoolExecutor
-    from ._pool import Pool
-    from ._reusable import get_reusable_executor
+    from ._errors import InitializerError as InitializerError
+    from ._errors import TaskTimeoutError as TaskTimeoutError
+    from ._errors import TerminatedWorkerError as TerminatedWorkerError
+    from ._executor import Future as Future
+    from ._executor import ProcessPoolExecutor as ProcessPoolExecutor
+    from ._pool import AsyncResult as AsyncResult
+    from ._pool import IMapIterator as IMapIterator
+    from ._pool import IMapUnorderedIterator as IMapUnorderedIterator
+    from ._pool import MapResult as MapResult
+    from ._pool import Pool as Pool
+    from ._reusable import get_reusable_executor as get_reusable_executor
 
 _LAZY = {
+    "AsyncResult": "._pool",
+    "IMapIterator": "._pool",
+    "IMapUnorderedIterator": "._pool",
+    "MapResult": "._pool",
     "Future": "._executor",
     "InitializerError": "._errors",
     "Pool": "._pool",

@@ -53,9 +53,9 @@ from ..context._watch import (
     sigint_held,
     stop,
 )
+from ..sharing._errors import ChannelClosed
 from ..sharing._message import Message
 from ..sharing.channels._fdpass import (
-    ChannelClosed,
     MessageReader,
     message_size,
     send_message,
@@ -197,7 +197,7 @@ class _Worker:
     def __init__(self, slot: int, proc: BaseProcess, sock: socket.socket, budget: int | None):
         self.slot = slot
         self.proc = proc
-        self.pid: int = proc.pid  # type: ignore[assignment]
+        self.pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
         self.sock = sock
         self.reader = MessageReader(sock)
         self.exit_fd, self.own_exit_fd = exit_handle(proc)
@@ -676,7 +676,7 @@ class Dispatcher:
             f"{task.job.describe(task)} ran longer than the pool's task_timeout of "
             f"{self.task_timeout:g} s; its worker (pid {worker.pid}) was killed and a new "
             f"one took its place",
-            self.task_timeout,  # type: ignore[arg-type]
+            self.task_timeout,  # type: ignore[arg-type]  # set: the task timed out
             worker.pid,
         )
 
@@ -712,7 +712,9 @@ class Dispatcher:
         self._drop_pending(lambda task: True, error)
         self.state = DONE
 
-    def _drop_pending(self, which: Callable[[Task], bool], error: BaseException | None = None):
+    def _drop_pending(
+        self, which: Callable[[Task], bool], error: BaseException | None = None
+    ) -> None:
         with self._lock:
             dropped = [t for t in self._pending if which(t)]
             if dropped:
@@ -1137,10 +1139,10 @@ def remote_error(exc: BaseException | None, text: str, executor: bool = False) -
     """The exception a task raised, with the worker's traceback as its cause, of the
     type the stdlib's Pool or executor gives."""
     if executor:
-        from concurrent.futures.process import (  # type: ignore[assignment]
-            _RemoteTraceback as RemoteTraceback,
-        )
+        from concurrent.futures.process import _RemoteTraceback as RemoteTraceback
     else:
+        # typeshed leaves out multiprocessing.pool's RemoteTraceback (the same shape: an
+        # exception holding the traceback text)
         from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined,no-redef]
 
     if exc is None:
@@ -1148,6 +1150,7 @@ def remote_error(exc: BaseException | None, text: str, executor: bool = False) -
             "the task raised an exception that could not be sent back to the parent; "
             "its traceback:\n" + text
         )
+    # typeshed has _RemoteTraceback take a TracebackType; both classes take the text
     exc.__cause__ = RemoteTraceback(text)  # type: ignore[arg-type]
     return exc
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
-from ..context._errors import ProcessExitedException
+from ..context._errors import ProcessException, ProcessExitedException
 
 
 class TerminatedWorkerError(BrokenProcessPool, ProcessExitedException):
@@ -32,7 +33,7 @@ class TerminatedWorkerError(BrokenProcessPool, ProcessExitedException):
     def __str__(self) -> str:
         return self.msg
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ProcessException], tuple[Any, ...], dict[str, Any]]:
         return ProcessExitedException.__reduce__(self)
 
 
@@ -53,7 +54,9 @@ class TaskTimeoutError(TimeoutError):
     ``timeout`` is the limit in seconds, ``pid`` the killed worker's; the message names
     the call and its arguments (short reprs). A ``TimeoutError`` (the builtin, which is
     also ``concurrent.futures.TimeoutError``), not ``multiprocessing.TimeoutError``,
-    which ``AsyncResult.get(timeout)`` raises when the caller stops waiting.
+    which ``AsyncResult.get(timeout)`` raises when the caller stops waiting. Raise the
+    pool's ``task_timeout``, use smaller chunks (``chunksize``), or find out why the call
+    hangs.
     """
 
     def __init__(self, msg: str, timeout: float, pid: int) -> None:
@@ -61,7 +64,7 @@ class TaskTimeoutError(TimeoutError):
         self.timeout = timeout
         self.pid = pid
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[TaskTimeoutError], tuple[str, float, int]]:
         return (type(self), (self.args[0], self.timeout, self.pid))
 
 

@@ -20,7 +20,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from multiprocessing.context import BaseContext
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
 
 from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, as_progress
@@ -28,11 +30,18 @@ from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 from ._pool import start_method_of, wait_showing
 
+_T = TypeVar("_T")  # what a call returns
+_P = ParamSpec("_P")  # a submitted function's parameters
 
-class Future(_cf.Future):
+
+class Future(_cf.Future[_T]):
     """A ``concurrent.futures.Future`` that can also stop a call that runs: ``kill()``.
 
-    ``cancel()`` keeps its meaning (it succeeds only before the call starts)."""
+    ``ProcessPoolExecutor.submit`` returns one. ``cancel()`` keeps its meaning (it
+    succeeds only before the call starts); ``result()`` and ``exception()`` are the
+    stdlib's, except that Ctrl-C while they wait ends in a short traceback of the
+    caller's frames.
+    """
 
     _procspawn_kill: Callable[[], None] | None = None
     result = ctrl_c_in_caller(_cf.Future.result)
@@ -45,7 +54,12 @@ class Future(_cf.Future):
         (SIGKILL) and a new one takes its place; the future fails with
         ``concurrent.futures.CancelledError`` (``result()`` raises it at once after the
         worker's death is seen, within milliseconds), unless the call's result arrived
-        first. The executor goes on. Returns False if the call had already finished."""
+        first. The executor goes on.
+
+        Returns:
+            True when the call was cancelled or its worker is being killed; False if the
+            call had already finished.
+        """
         if self.cancel():
             return True
         if self.done():
@@ -58,7 +72,7 @@ class Future(_cf.Future):
 
 
 class _CallJob(Job):
-    def __init__(self, fn: Any, future: _cf.Future) -> None:
+    def __init__(self, fn: Any, future: _cf.Future[Any]) -> None:
         super().__init__(fn)
         self.future = future
 
@@ -75,7 +89,7 @@ class _CallJob(Job):
 class _ChunksJob(Job):
     """``map``: one future per chunk, the function sent once per worker."""
 
-    def __init__(self, fn: Any, futures: list[_cf.Future], progress: Progress | None) -> None:
+    def __init__(self, fn: Any, futures: list[_cf.Future[Any]], progress: Progress | None) -> None:
         super().__init__(fn)
         self.futures = futures
         self.progress = progress
@@ -102,17 +116,17 @@ def _kill(dispatcher: Dispatcher, job_ref: weakref.ref[Job]) -> None:
         )
 
 
-def _done_within(future: _cf.Future, seconds: float) -> bool:
+def _done_within(future: _cf.Future[Any], seconds: float) -> bool:
     return not _cf.wait([future], seconds).not_done
 
 
-def _start(future: _cf.Future) -> bool:
+def _start(future: _cf.Future[Any]) -> bool:
     """Mark it running, unless it was cancelled (False); a task handed out again (its
     worker died, or stopped before it ran it) is running already."""
     return future.running() or future.set_running_or_notify_cancel()
 
 
-def _set(future: _cf.Future, ok: bool, value: Any) -> None:
+def _set(future: _cf.Future[Any], ok: bool, value: Any) -> None:
     try:
         if ok:
             future.set_result(value)
@@ -147,14 +161,36 @@ class ProcessPoolExecutor(_cf.Executor):
             call is replaced before its next one. None: no limit.
 
     ``submit`` returns a ``procspawn.pool.Future``, whose ``kill()`` stops a running call.
+    Use it as a context manager (``shutdown(wait=True)`` on leaving; Ctrl-C in the block
+    stops the calls instead of waiting for them), or call ``shutdown()``.
+
+    Raises:
+        ValueError: ``max_workers`` <= 0, ``max_tasks_per_child`` < 1, ``task_timeout``,
+            ``retries`` or ``max_memory_per_child`` out of range, or ``mp_context``
+            names an unknown start method.
+        TypeError: ``initializer`` is not callable, ``max_tasks_per_child`` not an int,
+            or ``mp_context`` neither a multiprocessing context nor a start method name.
+
+    Example::
+
+        from procspawn import ProcessPoolExecutor
+
+        def cube(x):
+            return x**3
+
+        if __name__ == "__main__":
+            with ProcessPoolExecutor(max_workers=2) as executor:
+                future = executor.submit(cube, 3)
+                assert future.result() == 27
+                assert list(executor.map(cube, [1, 2, 3])) == [1, 8, 27]
     """
 
     def __init__(
         self,
         max_workers: int | None = None,
-        mp_context: Any = None,
-        initializer: Callable[..., Any] | None = None,
-        initargs: Iterable[Any] = (),
+        mp_context: str | BaseContext | None = None,
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[object] = (),
         *,
         max_tasks_per_child: int | None = None,
         task_timeout: float | None = None,
@@ -210,8 +246,22 @@ class ProcessPoolExecutor(_cf.Executor):
         broken = self._dispatcher.broken
         return False if broken is None else str(broken)
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
         """Run ``fn(*args, **kwargs)`` in a worker; returns a Future.
+
+        The future's ``result()`` returns what ``fn`` returned, or raises what it raised
+        (the worker's traceback is the ``__cause__``), what pickling an argument or the
+        result raised, ``procspawn.TerminatedWorkerError`` if a worker died (with
+        ``retries=0``), ``procspawn.TaskTimeoutError`` past ``task_timeout``, or
+        ``procspawn.InitializerError`` if the initializer raised.
+
+        Args:
+            fn: the function to call.
+            *args: its positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The future of the call.
 
         Raises:
             concurrent.futures.process.BrokenProcessPool: a worker died (the executor is
@@ -220,7 +270,7 @@ class ProcessPoolExecutor(_cf.Executor):
         """
         with self._shutdown_lock:
             self._check_open()
-            future = Future()
+            future: Future[_T] = Future()
             job = _CallJob(fn, future)
             # the job holds the future: the future holds the job weakly, or the two would
             # be a cycle keeping the result (shared arrays) until a garbage collection
@@ -238,17 +288,38 @@ class ProcessPoolExecutor(_cf.Executor):
 
     def map(
         self,
-        fn: Callable[..., Any],
-        *iterables: Iterable[Any],
+        fn: Callable[..., _T],
+        *iterables: Iterable[object],
         timeout: float | None = None,
         chunksize: int = 1,
-        progress: Any = None,
-    ) -> Iterator[Any]:
+        progress: bool | int | Progress | None = None,
+    ) -> Iterator[_T]:
         """``map(fn, *iterables)`` run in the workers, ``chunksize`` calls per message;
         the iterator raises TimeoutError if a result is not there ``timeout`` seconds
         after this call, and what ``fn`` raised for an item when that item comes.
         ``progress`` (True, an int total or a ``procspawn.Progress``): a bar counting
-        finished calls, redrawn while the iterator waits."""
+        finished calls, redrawn while the iterator waits.
+
+        The iterables are read whole, at once, and every chunk is submitted; an
+        iterator closed or dropped after its first value cancels the chunks not started.
+
+        Args:
+            fn: called as ``fn(*items)``, one item of each iterable.
+            *iterables: the items; the shortest one ends the calls.
+            timeout: seconds after this call by which each result must be there; None:
+                no limit.
+            chunksize: calls per task (one message each way).
+            progress: True, an int total or a ``procspawn.Progress``.
+
+        Returns:
+            An iterator of the values, in order.
+
+        Raises:
+            ValueError: ``chunksize`` < 1.
+            concurrent.futures.process.BrokenProcessPool: a worker died before (the
+                executor is broken).
+            RuntimeError: after ``shutdown()``.
+        """
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
         shown = as_progress(progress)
@@ -260,7 +331,7 @@ class ProcessPoolExecutor(_cf.Executor):
             if not chunk:
                 break
             chunks.append(chunk)
-        futures: list[_cf.Future] = [_cf.Future() for _ in chunks]
+        futures: list[_cf.Future[list[_T]]] = [_cf.Future() for _ in chunks]
         if shown is not None:
             shown._count_here(sum(len(chunk) for chunk in chunks))
         with self._shutdown_lock:
@@ -288,7 +359,12 @@ class ProcessPoolExecutor(_cf.Executor):
         if wait:
             self._dispatcher.join()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if isinstance(exc, KeyboardInterrupt):
             # Ctrl-C in the block: the calls are not waited for; their workers stop
             with self._shutdown_lock:
@@ -299,8 +375,8 @@ class ProcessPoolExecutor(_cf.Executor):
 
 
 def _results(
-    futures: list[_cf.Future], end_time: float | None, progress: Progress | None = None
-) -> Iterator[Any]:
+    futures: list[_cf.Future[list[_T]]], end_time: float | None, progress: Progress | None = None
+) -> Iterator[_T]:
     """map's values in order; nothing of a value is held once it was yielded."""
     try:
         futures.reverse()

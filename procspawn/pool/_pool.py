@@ -18,9 +18,10 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from multiprocessing import TimeoutError as _MpTimeoutError
-from typing import Any
+from multiprocessing.context import BaseContext
+from typing import Any, Generic, NoReturn, TypeVar
 
 from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, as_progress
@@ -28,11 +29,14 @@ from ..context._start_method import get_start_method
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 
+_T = TypeVar("_T")  # what a call returns
+_S = TypeVar("_S")  # an item of a map's input
+
 _FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
 _TICK = 0.1  # seconds between progress redraws while a call waits
 
 
-def start_method_of(context: Any) -> str:
+def start_method_of(context: str | BaseContext | None) -> str:
     """The start method a ``context`` argument names: a multiprocessing context
     (procspawn's or the stdlib's), a method name, or None (procspawn's default,
     ``procspawn.get_start_method()``)."""
@@ -69,14 +73,24 @@ def wait_showing(wait: Callable[[float], bool], progress: Progress, timeout: flo
         progress.render()
 
 
-class ApplyResult:
-    """The result of ``apply_async`` (``multiprocessing.pool.AsyncResult``'s interface)."""
+class ApplyResult(Generic[_T]):
+    """The result of ``apply_async`` (``multiprocessing.pool.AsyncResult``'s interface).
+
+    ``procspawn.pool.AsyncResult`` is the same class. ``get()`` waits for the value;
+    ``ready()``, ``successful()`` and ``wait()`` tell without taking it. The pool makes
+    it.
+
+    Args:
+        dispatcher: the pool's dispatcher.
+        callback: called with the value once the call returned.
+        error_callback: called with the exception once the call failed.
+    """
 
     def __init__(
         self,
         dispatcher: Dispatcher,
-        callback: Callable[[Any], Any] | None,
-        error_callback: Callable[[BaseException], Any] | None,
+        callback: Callable[[_T], object] | None,
+        error_callback: Callable[[BaseException], object] | None,
     ) -> None:
         self._dispatcher = dispatcher
         self._event = threading.Event()
@@ -87,23 +101,58 @@ class ApplyResult:
         self._progress: Progress | None = None  # shown while get() waits (a map's)
 
     def ready(self) -> bool:
+        """Whether the call has finished (returned or failed).
+
+        Returns:
+            True once ``get()`` would return or raise at once.
+        """
         return self._event.is_set()
 
     def successful(self) -> bool:
+        """Whether the call returned (rather than failed).
+
+        Returns:
+            True when it returned a value, False when it failed.
+
+        Raises:
+            ValueError: it has not finished yet.
+        """
         if not self.ready():
             raise ValueError(f"{self!r} not ready")
         return self._success
 
     @ctrl_c_in_caller
     def wait(self, timeout: float | None = None) -> None:
+        """Wait until the call has finished, or ``timeout`` seconds passed.
+
+        Args:
+            timeout: seconds to wait at most; None: until it finished.
+        """
         self._event.wait(timeout)
 
     @ctrl_c_in_caller
-    def get(self, timeout: float | None = None) -> Any:
+    def get(self, timeout: float | None = None) -> _T:
         """The task's return value; raises what it raised (or how its worker died).
 
+        Ctrl-C while a ``map_async`` / ``apply_async`` result is waited for stops its
+        tasks (their workers are replaced) and raises ``KeyboardInterrupt``.
+
+        Args:
+            timeout: seconds to wait at most; None: until it finished.
+
+        Returns:
+            What the call returned (the list of values for a map).
+
         Raises:
-            multiprocessing.TimeoutError: not ready within ``timeout`` seconds.
+            multiprocessing.TimeoutError: not ready within ``timeout`` seconds (the call
+                goes on; ``get`` may be called again).
+            Exception: what ``func`` raised in the worker (the worker's traceback is
+                its ``__cause__``), or what pickling an argument or the result raised.
+            ProcessExitedException: the worker died while running it (a signal,
+                ``os._exit``, the out-of-memory killer), ``retries`` times over.
+            TaskTimeoutError: it ran longer than the pool's ``task_timeout``.
+            InitializerError: the pool's ``initializer`` raised: no task can run.
+            RuntimeError: the pool was terminated before it finished.
         """
         try:
             if self._progress is None:
@@ -116,7 +165,8 @@ class ApplyResult:
         if not self.ready():
             raise _MpTimeoutError
         if self._success:
-            return self._value
+            value: _T = self._value
+            return value
         raise self._value
 
     def _interrupted(self) -> None:
@@ -152,7 +202,7 @@ AsyncResult = ApplyResult
 
 
 class _ApplyJob(Job):
-    def __init__(self, fn: Any, result: ApplyResult) -> None:
+    def __init__(self, fn: Any, result: ApplyResult[Any]) -> None:
         super().__init__(fn)
         self.result = result
 
@@ -161,7 +211,7 @@ class _ApplyJob(Job):
             self.result._finish(ok, value)
 
 
-class _CallResult(ApplyResult):
+class _CallResult(ApplyResult[_T]):
     """An ApplyResult whose job is stopped when the caller's wait is interrupted."""
 
     job: Job
@@ -172,15 +222,22 @@ class _CallResult(ApplyResult):
             self._dispatcher.abandon(job)
 
 
-class MapResult(_CallResult):
-    """The result of ``map_async`` / ``starmap_async``: the list of return values."""
+class MapResult(_CallResult[list[_T]]):
+    """The result of ``map_async`` / ``starmap_async``: the list of return values.
+
+    Args:
+        dispatcher: the pool's dispatcher.
+        length: the number of items.
+        callback: called with the list of values once all are in.
+        error_callback: called with the first failure's exception.
+    """
 
     def __init__(
         self,
         dispatcher: Dispatcher,
         length: int,
-        callback: Callable[[Any], Any] | None,
-        error_callback: Callable[[BaseException], Any] | None,
+        callback: Callable[[list[_T]], object] | None,
+        error_callback: Callable[[BaseException], object] | None,
     ) -> None:
         super().__init__(dispatcher, callback, error_callback)
         self._values: list[Any] = [None] * length
@@ -191,7 +248,7 @@ class MapResult(_CallResult):
 
 
 class _MapJob(Job):
-    def __init__(self, fn: Any, result: MapResult, chunks: list[tuple[int, int]]) -> None:
+    def __init__(self, fn: Any, result: MapResult[Any], chunks: list[tuple[int, int]]) -> None:
         super().__init__(fn)
         self.result = result
         self.chunks = chunks  # (start, length) of each task's items
@@ -218,8 +275,16 @@ class _MapJob(Job):
             result._finish(True, values)
 
 
-class IMapIterator:
-    """The iterator ``imap`` returns: results in order, ``next(timeout)`` as the stdlib's."""
+class IMapIterator(Generic[_T]):
+    """The iterator ``imap`` returns: results in order, ``next(timeout)`` as the stdlib's.
+
+    A failed call raises its error when its place comes (once for its whole chunk);
+    iterating on goes on with the next results. Dropping the iterator before its end
+    lets the calls that run finish and drops the others. The pool makes it.
+
+    Args:
+        dispatcher: the pool's dispatcher.
+    """
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
@@ -233,18 +298,40 @@ class IMapIterator:
         self.job: Job | None = None
         self._progress: Progress | None = None  # redrawn while next() waits
 
-    def __iter__(self) -> IMapIterator:
+    def __iter__(self) -> IMapIterator[_T]:
         return self
 
     @ctrl_c_in_caller
-    def next(self, timeout: float | None = None) -> Any:
+    def next(self, timeout: float | None = None) -> _T:
+        """The next result, waiting for it at most ``timeout`` seconds.
+
+        Args:
+            timeout: seconds to wait at most; None: until it is there.
+
+        Returns:
+            The next value of ``func``.
+
+        Raises:
+            StopIteration: every result was taken.
+            multiprocessing.TimeoutError: it was not there within ``timeout`` seconds
+                (call ``next`` again to go on waiting).
+            Exception: what ``func`` raised in the worker (the worker's traceback is
+                its ``__cause__``), or what pickling an argument or the result raised;
+                once the results before it were taken, what the input iterable raised.
+            ProcessExitedException: the worker died while running it (a signal,
+                ``os._exit``, the out-of-memory killer), ``retries`` times over.
+            TaskTimeoutError: it ran longer than the pool's ``task_timeout``.
+            InitializerError: the pool's ``initializer`` raised: no task can run.
+            RuntimeError: the pool was terminated before it finished.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         progress = self._progress
         with self._cond:
             try:
                 while True:
                     if self._buffer:
-                        return self._buffer.pop(0)
+                        item: _T = self._buffer.pop(0)
+                        return item
                     outcome = self._take_next()
                     if outcome is not None:
                         ok, value = outcome
@@ -317,8 +404,12 @@ class IMapIterator:
                 pass
 
 
-class IMapUnorderedIterator(IMapIterator):
-    """The iterator ``imap_unordered`` returns: results as they come."""
+class IMapUnorderedIterator(IMapIterator[_T]):
+    """The iterator ``imap_unordered`` returns: results as they come.
+
+    Args:
+        dispatcher: the pool's dispatcher.
+    """
 
     def _take_next(self) -> tuple[bool, Any] | None:
         if not self._items:
@@ -329,8 +420,11 @@ class IMapUnorderedIterator(IMapIterator):
         return outcome
 
 
+_Iterator = TypeVar("_Iterator", bound=IMapIterator[Any])
+
+
 class _IMapJob(Job):
-    def __init__(self, fn: Any, iterator: IMapIterator) -> None:
+    def __init__(self, fn: Any, iterator: IMapIterator[Any]) -> None:
         super().__init__(fn)
         self.iterator = iterator
 
@@ -365,16 +459,43 @@ class Pool:
     A worker that dies while it runs a task fails that task (``get()`` or the
     ``map``/``imap`` containing it raises ``procspawn.ProcessExitedException``, naming
     the pid, the signal or exit code, the call and the worker's last stderr lines); the
-    other tasks go on, and a new worker takes its place.
+    other tasks go on, and a new worker takes its place. Functions travel by cloudpickle
+    (lambdas, closures and functions of ``__main__`` work) and NumPy arrays through
+    shared memory. Ctrl-C while a call waits stops that call's tasks (their workers are
+    replaced) and raises one ``KeyboardInterrupt``.
+
+    Use it as a context manager (``terminate()`` on leaving, as the stdlib's), or call
+    ``close()`` and ``join()``; a pool dropped while running warns (``ResourceWarning``)
+    and is terminated.
+
+    Raises:
+        ValueError: ``processes`` < 1, ``maxtasksperchild`` not a positive int,
+            ``task_timeout``, ``retries`` or ``max_memory_per_child`` out of range, or
+            ``context`` names an unknown start method.
+        TypeError: ``initializer`` is not callable, or ``context`` is neither a
+            multiprocessing context nor a start method name.
+
+    Example::
+
+        import procspawn
+
+        def square(x):
+            return x * x
+
+        if __name__ == "__main__":
+            with procspawn.Pool(2) as pool:
+                assert pool.map(square, range(5)) == [0, 1, 4, 9, 16]
+                assert pool.apply(square, (3,)) == 9
+                assert sorted(pool.imap_unordered(square, [1, 2])) == [1, 4]
     """
 
     def __init__(
         self,
         processes: int | None = None,
-        initializer: Callable[..., Any] | None = None,
-        initargs: Iterable[Any] = (),
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[object] = (),
         maxtasksperchild: int | None = None,
-        context: Any = None,
+        context: str | BaseContext | None = None,
         *,
         task_timeout: float | None = None,
         retries: int = 0,
@@ -424,7 +545,7 @@ class Pool:
             f"state={self._state} pool_size={self._processes}>"
         )
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise NotImplementedError("pool objects cannot be passed between processes or pickled")
 
     def _check_running(self) -> None:
@@ -434,21 +555,60 @@ class Pool:
     # -- calls -------------------------------------------------------------------------------
 
     @ctrl_c_in_caller
-    def apply(self, func: Callable[..., Any], args: Iterable[Any] = (), kwds: dict | None = None):
-        """``func(*args, **kwds)`` in a worker; waits for it and returns its value."""
+    def apply(
+        self,
+        func: Callable[..., _T],
+        args: Iterable[object] = (),
+        kwds: Mapping[str, object] | None = None,
+    ) -> _T:
+        """``func(*args, **kwds)`` in a worker; waits for it and returns its value.
+
+        Args:
+            func: the function to call.
+            args: its positional arguments.
+            kwds: its keyword arguments.
+
+        Returns:
+            What ``func`` returned.
+
+        Raises:
+            Exception: what ``func`` raised in the worker (the worker's traceback is
+                its ``__cause__``), or what pickling an argument or the result raised.
+            ProcessExitedException: the worker died while running it (a signal,
+                ``os._exit``, the out-of-memory killer), ``retries`` times over.
+            TaskTimeoutError: it ran longer than the pool's ``task_timeout``.
+            InitializerError: the pool's ``initializer`` raised: no task can run.
+            ValueError: the pool was closed or terminated.
+            RuntimeError: the pool was terminated before it finished.
+        """
         return self.apply_async(func, args, kwds).get()
 
     def apply_async(
         self,
-        func: Callable[..., Any],
-        args: Iterable[Any] = (),
-        kwds: dict | None = None,
-        callback: Callable[[Any], Any] | None = None,
-        error_callback: Callable[[BaseException], Any] | None = None,
-    ) -> ApplyResult:
-        """``func(*args, **kwds)`` in a worker; returns an ``AsyncResult`` at once."""
+        func: Callable[..., _T],
+        args: Iterable[object] = (),
+        kwds: Mapping[str, object] | None = None,
+        callback: Callable[[_T], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+    ) -> ApplyResult[_T]:
+        """``func(*args, **kwds)`` in a worker; returns an ``AsyncResult`` at once.
+
+        Args:
+            func: the function to call.
+            args: its positional arguments.
+            kwds: its keyword arguments.
+            callback: called with the value once ``func`` returned (in a thread of the
+                pool: keep it short).
+            error_callback: called with the exception instead, if the call failed.
+
+        Returns:
+            The result; its ``get()`` returns the value or raises what ``apply`` would.
+
+        Raises:
+            ValueError: the pool was closed or terminated.
+        """
         self._check_running()
-        result = _CallResult(self._dispatcher, callback, error_callback)
+        result: _CallResult[_T] = _CallResult(self._dispatcher, callback, error_callback)
         job = _ApplyJob(func, result)
         result.job = job
         self._dispatcher.submit([Task(job, 0, _worker.APPLY, (tuple(args), dict(kwds or {})))])
@@ -457,70 +617,141 @@ class Pool:
     @ctrl_c_in_caller
     def map(
         self,
-        func: Callable[[Any], Any],
-        iterable: Iterable[Any],
+        func: Callable[[_S], _T],
+        iterable: Iterable[_S],
         chunksize: int | None = None,
         *,
-        progress: Any = None,
-    ):
+        progress: bool | int | Progress | None = None,
+    ) -> list[_T]:
         """``list(map(func, iterable))``, run in the workers in chunks.
 
-        ``progress``: True, an int total or a ``procspawn.Progress``: a bar counting
-        finished items while the call waits (its total: the number of items)."""
+        Args:
+            func: called on each item.
+            iterable: the items; read whole before the first chunk is sent.
+            chunksize: items per task (one message each way); default: four chunks per
+                worker (``len(items) / (4 * processes)``, rounded up).
+            progress: True, an int total or a ``procspawn.Progress``: a bar counting
+                finished items while the call waits (its total: the number of items).
+
+        Returns:
+            The values, in the order of the items.
+
+        Raises:
+            Exception: what ``func`` raised in the worker (the worker's traceback is
+                its ``__cause__``), or what pickling an argument or the result raised.
+            ProcessExitedException: the worker died while running a chunk (a signal,
+                ``os._exit``, the out-of-memory killer), ``retries`` times over.
+            TaskTimeoutError: a chunk ran longer than the pool's ``task_timeout``.
+            InitializerError: the pool's ``initializer`` raised: no task can run.
+            ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
+            RuntimeError: the pool was terminated before the map finished.
+        """
         return self._map_async(func, iterable, _worker.MAP, chunksize, progress=progress).get()
 
     @ctrl_c_in_caller
     def starmap(
         self,
-        func: Callable[..., Any],
-        iterable: Iterable[Iterable[Any]],
+        func: Callable[..., _T],
+        iterable: Iterable[Iterable[object]],
         chunksize: int | None = None,
         *,
-        progress: Any = None,
-    ):
-        """``[func(*args) for args in iterable]``, run in the workers in chunks
-        (``progress`` as for ``map``)."""
+        progress: bool | int | Progress | None = None,
+    ) -> list[_T]:
+        """``[func(*args) for args in iterable]``, run in the workers in chunks.
+
+        Args:
+            func: called on each item's arguments.
+            iterable: the items, each an iterable of arguments.
+            chunksize: as for ``map``.
+            progress: as for ``map``.
+
+        Returns:
+            The values, in the order of the items.
+
+        Raises:
+            Exception: what ``func`` raised in the worker (the worker's traceback is
+                its ``__cause__``), or what pickling an argument or the result raised.
+            ProcessExitedException: the worker died while running a chunk (a signal,
+                ``os._exit``, the out-of-memory killer), ``retries`` times over.
+            TaskTimeoutError: a chunk ran longer than the pool's ``task_timeout``.
+            InitializerError: the pool's ``initializer`` raised: no task can run.
+            ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
+            RuntimeError: the pool was terminated before the map finished.
+        """
         return self._map_async(func, iterable, _worker.STARMAP, chunksize, progress=progress).get()
 
     def map_async(
         self,
-        func: Callable[[Any], Any],
-        iterable: Iterable[Any],
+        func: Callable[[_S], _T],
+        iterable: Iterable[_S],
         chunksize: int | None = None,
-        callback: Callable[[Any], Any] | None = None,
-        error_callback: Callable[[BaseException], Any] | None = None,
+        callback: Callable[[list[_T]], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
         *,
-        progress: Any = None,
-    ) -> MapResult:
-        """``map`` returning at once; ``progress`` is shown while ``get()`` waits."""
+        progress: bool | int | Progress | None = None,
+    ) -> MapResult[_T]:
+        """``map`` returning at once; ``progress`` is shown while ``get()`` waits.
+
+        Args:
+            func: as for ``map``.
+            iterable: as for ``map``.
+            chunksize: as for ``map``.
+            callback: called with the list of values once all are in (in a thread of
+                the pool: keep it short).
+            error_callback: called with the first failure's exception instead.
+            progress: as for ``map``.
+
+        Returns:
+            The result; its ``get()`` returns the list of values or raises what ``map``
+            would.
+
+        Raises:
+            ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
+        """
         return self._map_async(
             func, iterable, _worker.MAP, chunksize, callback, error_callback, progress
         )
 
     def starmap_async(
         self,
-        func: Callable[..., Any],
-        iterable: Iterable[Iterable[Any]],
+        func: Callable[..., _T],
+        iterable: Iterable[Iterable[object]],
         chunksize: int | None = None,
-        callback: Callable[[Any], Any] | None = None,
-        error_callback: Callable[[BaseException], Any] | None = None,
+        callback: Callable[[list[_T]], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
         *,
-        progress: Any = None,
-    ) -> MapResult:
+        progress: bool | int | Progress | None = None,
+    ) -> MapResult[_T]:
+        """``starmap`` returning at once; ``progress`` is shown while ``get()`` waits.
+
+        Args:
+            func: as for ``starmap``.
+            iterable: as for ``starmap``.
+            chunksize: as for ``map``.
+            callback: as for ``map_async``.
+            error_callback: as for ``map_async``.
+            progress: as for ``map``.
+
+        Returns:
+            The result; its ``get()`` returns the list of values.
+
+        Raises:
+            ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
+        """
         return self._map_async(
             func, iterable, _worker.STARMAP, chunksize, callback, error_callback, progress
         )
 
     def _map_async(
         self,
-        func: Any,
+        func: Callable[..., Any],
         iterable: Iterable[Any],
         kind: int,
         chunksize: int | None,
-        callback: Any = None,
-        error_callback: Any = None,
-        progress: Any = None,
-    ) -> MapResult:
+        callback: Callable[[list[Any]], object] | None = None,
+        error_callback: Callable[[BaseException], object] | None = None,
+        progress: bool | int | Progress | None = None,
+    ) -> MapResult[Any]:
         self._check_running()
         shown = as_progress(progress)
         items = iterable if isinstance(iterable, list) else list(iterable)
@@ -534,7 +765,7 @@ class Pool:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
         if kind == _worker.STARMAP:
             items = [tuple(item) for item in items]
-        result = MapResult(self._dispatcher, len(items), callback, error_callback)
+        result: MapResult[Any] = MapResult(self._dispatcher, len(items), callback, error_callback)
         if shown is not None:
             shown._count_here(len(items))
             result._progress = shown
@@ -551,36 +782,64 @@ class Pool:
 
     def imap(
         self,
-        func: Callable[[Any], Any],
-        iterable: Iterable[Any],
+        func: Callable[[_S], _T],
+        iterable: Iterable[_S],
         chunksize: int = 1,
         *,
-        progress: Any = None,
-    ):
+        progress: bool | int | Progress | None = None,
+    ) -> IMapIterator[_T]:
         """Like ``map``, but returns an iterator of the results, in order, as they come;
-        the input is read as the workers need it. ``progress`` is redrawn while the
-        iterator waits (its total: ``len(iterable)`` when it has one)."""
+        the input is read as the workers need it, in a thread of its own. ``progress``
+        is redrawn while the iterator waits (its total: ``len(iterable)`` when it has
+        one).
+
+        Args:
+            func: called on each item.
+            iterable: the items (an endless generator works).
+            chunksize: items per task.
+            progress: as for ``map``.
+
+        Returns:
+            The iterator of values; each failure is raised when its place comes (see
+            ``IMapIterator.next``).
+
+        Raises:
+            ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
+        """
         return self._imap(IMapIterator, func, iterable, chunksize, progress)
 
     def imap_unordered(
         self,
-        func: Callable[[Any], Any],
-        iterable: Iterable[Any],
+        func: Callable[[_S], _T],
+        iterable: Iterable[_S],
         chunksize: int = 1,
         *,
-        progress: Any = None,
-    ):
-        """Like ``imap``, in the order the results come."""
+        progress: bool | int | Progress | None = None,
+    ) -> IMapUnorderedIterator[_T]:
+        """Like ``imap``, in the order the results come.
+
+        Args:
+            func: called on each item.
+            iterable: the items.
+            chunksize: items per task.
+            progress: as for ``map``.
+
+        Returns:
+            The iterator of values, as they come.
+
+        Raises:
+            ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
+        """
         return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress)
 
     def _imap(
         self,
-        cls: type[IMapIterator],
-        func: Any,
+        cls: type[_Iterator],
+        func: Callable[..., Any],
         iterable: Iterable[Any],
         chunksize: int,
-        progress: Any = None,
-    ):
+        progress: bool | int | Progress | None = None,
+    ) -> _Iterator:
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
@@ -588,6 +847,7 @@ class Pool:
         it = cls(self._dispatcher)
         if shown is not None:
             try:
+                # an Iterable may have a length (a TypeError says it has none)
                 total: int | None = len(iterable)  # type: ignore[arg-type]
             except TypeError:
                 total = None
@@ -615,13 +875,17 @@ class Pool:
 
     def terminate(self) -> None:
         """Stop the workers now (SIGTERM, then SIGKILL after the grace period); results
-        not ready fail with a RuntimeError."""
+        not ready fail with a RuntimeError. Leaving a ``with`` block calls it."""
         self._state = "TERMINATE"
         self._dispatcher.terminate()
 
     @ctrl_c_in_caller
     def join(self) -> None:
-        """Wait for the workers to exit, after ``close()`` or ``terminate()``."""
+        """Wait for the workers to exit, after ``close()`` or ``terminate()``.
+
+        Raises:
+            ValueError: the pool is still running (neither closed nor terminated).
+        """
         if self._state == "RUN":
             raise ValueError("Pool is still running")
         if self._state not in ("CLOSE", "TERMINATE", "INIT"):
@@ -632,7 +896,7 @@ class Pool:
         self._check_running()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.terminate()
 
     def __del__(self, _warn: Callable[..., Any] = warnings.warn) -> None:
@@ -646,7 +910,7 @@ class Pool:
 def _feed(
     dispatcher: Dispatcher,
     job: _IMapJob,
-    it: IMapIterator,
+    it: IMapIterator[Any],
     source: Iterator[Any],
     chunksize: int,
     ahead: int,

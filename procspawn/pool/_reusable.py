@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from ._executor import ProcessPoolExecutor
@@ -25,9 +26,9 @@ def get_reusable_executor(
     max_workers: int | None = None,
     timeout: float = 300,
     *,
-    mp_context: Any = None,
-    initializer: Callable[..., Any] | None = None,
-    initargs: Iterable[Any] = (),
+    mp_context: str | BaseContext | None = None,
+    initializer: Callable[..., object] | None = None,
+    initargs: Iterable[object] = (),
     max_tasks_per_child: int | None = None,
     task_timeout: float | None = None,
     retries: int = 0,
@@ -67,9 +68,10 @@ def get_reusable_executor(
 
         from procspawn import get_reusable_executor
 
-        executor = get_reusable_executor(max_workers=2)
-        assert list(executor.map(abs, [-1, -2])) == [1, 2]
-        assert get_reusable_executor(max_workers=2) is executor
+        if __name__ == "__main__":
+            executor = get_reusable_executor(max_workers=2)
+            assert list(executor.map(abs, [-1, -2])) == [1, 2]
+            assert get_reusable_executor(max_workers=2) is executor
     """
     global _executor, _settings
     if max_workers is None:

@@ -178,9 +178,12 @@ def _encoding_error(exc: BaseException, value: Any) -> BaseException:
     """The stdlib Pool's error for a result that cannot be pickled (it rebuilds in the
     parent from the two reprs it keeps)."""
     import reprlib
+
+    # typeshed leaves MaybeEncodingError out of multiprocessing.pool
     from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
 
-    return MaybeEncodingError(exc, reprlib.repr(value))
+    error: BaseException = MaybeEncodingError(exc, reprlib.repr(value))
+    return error
 
 
 def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: str = "") -> None:

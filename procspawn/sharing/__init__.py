@@ -58,19 +58,25 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._errors import ChannelClosed, FdLimitError, SharedMemoryFullError
-    from ._message import attach_fd, received_fd
-    from ._registry import register
-    from .segments._arrays import empty, is_shared, share_memory_, trim, zeros
-    from .segments._segment import Segment
-    from .segments._strategy import (
-        SharingStrategy,
-        get_all_sharing_strategies,
-        get_sharing_strategy,
-        register_strategy,
-        set_sharing_strategy,
-    )
-    from .wire._pickler import dumps, loads
+    from ._errors import ChannelClosed as ChannelClosed
+    from ._errors import FdLimitError as FdLimitError
+    from ._errors import SharedMemoryFullError as SharedMemoryFullError
+    from ._message import attach_fd as attach_fd
+    from ._message import received_fd as received_fd
+    from ._registry import register as register
+    from .segments._arrays import empty as empty
+    from .segments._arrays import is_shared as is_shared
+    from .segments._arrays import share_memory_ as share_memory_
+    from .segments._arrays import trim as trim
+    from .segments._arrays import zeros as zeros
+    from .segments._segment import Segment as Segment
+    from .segments._strategy import SharingStrategy as SharingStrategy
+    from .segments._strategy import get_all_sharing_strategies as get_all_sharing_strategies
+    from .segments._strategy import get_sharing_strategy as get_sharing_strategy
+    from .segments._strategy import register_strategy as register_strategy
+    from .segments._strategy import set_sharing_strategy as set_sharing_strategy
+    from .wire._pickler import dumps as dumps
+    from .wire._pickler import loads as loads
 
 _LAZY = {
     "ChannelClosed": "._errors",

@@ -7,6 +7,7 @@ import errno
 import os
 import resource
 import threading
+from typing import Any
 
 _raised = False
 _lock = threading.Lock()
@@ -50,7 +51,7 @@ class FdLimitError(OSError):
             f"per array.",
         )
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[FdLimitError], tuple[str]]:
         return (FdLimitError, (self.what,))
 
 
@@ -58,16 +59,25 @@ class SharedMemoryFullError(OSError):
     """There is not enough shared memory for a new segment.
 
     Raised when a segment is made (its space is reserved at once), never later as a bus
-    error. Free space, give the container more (``docker run --shm-size=...``), send
-    smaller batches, or put segments elsewhere.
+    error: by ``sharing.zeros`` / ``empty`` / ``share_memory_``, and by a send that
+    copies an array into shared memory, under the ``file_system`` strategy (/dev/shm).
+    Free space (``procspawn cleanup`` removes what dead programs left), give the
+    container more (``docker run --shm-size=...``), send smaller batches, or switch to
+    the ``file_descriptor`` strategy. An ``OSError`` (``errno.ENOSPC``).
     """
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[SharedMemoryFullError], tuple[Any, ...]]:
         return (SharedMemoryFullError, self.args)
 
 
 class ChannelClosed(EOFError):
-    """The other end of a channel closed before a whole message arrived."""
+    """The other end of a channel closed before a whole message arrived.
+
+    Raised by a receive on a procspawn channel (``Connection.recv``, the end of a
+    ``Pipe``) whose other end was closed, or whose process exited, with no message left
+    to read, or in the middle of one. An ``EOFError``, as multiprocessing raises there:
+    treat it as the end of the stream, or find out why the sender went away.
+    """
 
 
 def reserve(fd: int, nbytes: int, where: str, free_path: str | None, overhead: int = 0) -> None:

@@ -139,7 +139,7 @@ def begin_receive(state: RecvState | None) -> RecvState | None:
 
 def sending() -> SendState:
     """The message being pickled on this thread (only valid inside a reducer)."""
-    state = getattr(_local, "send", None)
+    state: SendState | None = getattr(_local, "send", None)
     if state is None:
         raise RuntimeError("procspawn reducer called outside procspawn.sharing dumps()")
     return state
@@ -152,7 +152,7 @@ def sending_or_none() -> SendState | None:
 
 def received() -> RecvState:
     """The message being unpickled on this thread (only valid inside a rebuild function)."""
-    state = getattr(_local, "recv", None)
+    state: RecvState | None = getattr(_local, "recv", None)
     if state is None:
         raise RuntimeError(
             "a procspawn shared-memory handle can only be unpickled by procspawn's "
@@ -161,15 +161,41 @@ def received() -> RecvState:
     return state
 
 
-def attach_fd(fd: int, owner: Any) -> int:
-    """For a strategy's ``reduce``: send ``fd`` with the message being pickled, ``owner``
-    (the segment) keeping it open meanwhile; returns the index ``received_fd`` takes."""
+def attach_fd(fd: int, owner: object) -> int:
+    """For a strategy's ``reduce``: send ``fd`` with the message being pickled.
+
+    A descriptor attached twice to one message is sent once.
+
+    Args:
+        fd: the descriptor to send; it stays the caller's (not closed).
+        owner: what keeps ``fd`` open until the message is sent (the segment); the
+            message holds it until then.
+
+    Returns:
+        The index ``received_fd`` takes in the receiver.
+
+    Raises:
+        RuntimeError: called outside procspawn's pickling (only a strategy's ``reduce``
+            may call it).
+    """
     return sending().add_fd(fd, owner)
 
 
 def received_fd(index: int) -> int:
-    """For a strategy's ``rebuild``: descriptor ``index`` of the message being unpickled
-    (borrowed: it is closed after unpickling, so ``os.dup`` it to keep it)."""
+    """For a strategy's ``rebuild``: a descriptor that came with the message.
+
+    Args:
+        index: what ``attach_fd`` returned in the sender.
+
+    Returns:
+        The descriptor, borrowed: it is closed after unpickling, so ``os.dup`` it to keep
+        it.
+
+    Raises:
+        RuntimeError: called outside procspawn's unpickling (only a strategy's
+            ``rebuild`` may call it).
+        IndexError: the message has no descriptor ``index``.
+    """
     return received().fds[index]
 
 

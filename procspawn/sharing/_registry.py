@@ -13,7 +13,9 @@ import copyreg
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 reducers: dict[type, Callable[[Any], Any]] = {}
 version = 0  # bumped on every change: a pickler reads its dispatch table when it is made
@@ -23,8 +25,35 @@ PLUGINS: dict[str, str] = {"numpy": ".wire._reductions"}
 _loaded: set[str] = set()
 
 
-def register(type_: type, reducer: Callable[[Any], Any]) -> None:
-    """Make procspawn pickle every exact instance of ``type_`` with ``reducer(obj)``."""
+def register(type_: type[_T], reducer: Callable[[_T], str | tuple[object, ...]]) -> None:
+    """Make procspawn pickle every exact instance of ``type_`` with ``reducer(obj)``.
+
+    Only procspawn's messages use it (spawn's arguments and results, procspawn's Queues,
+    Pipes and Pools); ``copyreg`` and the stdlib's pickler are not changed. A type
+    registered again gets the new reducer.
+
+    Args:
+        type_: the class; subclasses are not included.
+        reducer: returns what ``__reduce__`` would: ``(callable, args)`` (or a longer
+            reduce tuple), or a string naming a global.
+
+    Example::
+
+        from procspawn import sharing
+
+        class Point:
+            def __init__(self, x, y):
+                self.x, self.y = x, y
+
+        def reduce_point(point):
+            return (Point, (point.x, point.y))
+
+        sharing.register(Point, reduce_point)
+        message = sharing.dumps(Point(1, 2))
+        point = sharing.loads(message.data)
+        message.close()
+        assert (point.x, point.y) == (1, 2)
+    """
     global version
     reducers[type_] = reducer
     version += 1

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
 from .. import _message
+from .._errors import ChannelClosed
 from ..wire import _pickler
 from ._fdpass import (
-    ChannelClosed,
     MessageReader,
     recv_message,
     send_message,
@@ -222,7 +223,7 @@ class Connection:
 
     # -- pickling ----------------------------------------------------------------------
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Connection], tuple[Any, ...]]:
         sock = self._check()
         state = _message.sending_or_none()
         if state is not None:  # inside a procspawn message: a duplicate rides along, so

@@ -29,6 +29,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import wait
 
 from .._errors import ChannelClosed, FdLimitError, raise_fd_limit
@@ -41,7 +42,7 @@ _FLAGS = int(getattr(socket, "MSG_CMSG_CLOEXEC", 0))
 _CTRUNC = int(socket.MSG_CTRUNC)  # a plain int: IntFlag arithmetic is slow on a hot path
 
 
-def send_message(sock: socket.socket, data: bytes | memoryview, fds: list[int] = ()) -> None:  # type: ignore[assignment]
+def send_message(sock: socket.socket, data: bytes | memoryview, fds: Sequence[int] = ()) -> None:
     """Send one message (blocking); the caller keeps ownership of ``fds``."""
     if len(fds) <= _MAX_FDS_PER_MSG:
         # the common case: header, body and descriptors in one system call
@@ -107,7 +108,9 @@ _SOL_SOCKET = socket.SOL_SOCKET
 _SCM_RIGHTS = socket.SCM_RIGHTS
 
 
-def _sendmsg_all(sock: socket.socket, chunk: bytes, anc: list) -> None:
+def _sendmsg_all(
+    sock: socket.socket, chunk: bytes, anc: list[tuple[int, int, array.array[int]]]
+) -> None:
     sent = sock.sendmsg([chunk], anc)
     if sent < len(chunk):  # the fds went with the first byte; the rest is plain data
         sock.sendall(chunk[sent:])
@@ -217,6 +220,7 @@ class MessageReader:
                 f"{wanted - len(fds)} could not be received"
             )
         self._reset()
+        # a body read in parts is a bytearray; the readers use it as bytes
         self._done = (data, fds)  # type: ignore[assignment]
         return True
 

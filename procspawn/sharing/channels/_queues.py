@@ -16,7 +16,7 @@ import time
 import types
 import weakref
 from multiprocessing import context as mp_context
-from multiprocessing.synchronize import SEM_VALUE_MAX  # type: ignore[attr-defined]
+from multiprocessing.synchronize import SEM_VALUE_MAX  # type: ignore[attr-defined]  # untyped
 from multiprocessing.util import Finalize, register_after_fork
 from queue import Empty, Full
 from typing import Any
@@ -177,7 +177,8 @@ class Queue:
         return self.get(False)
 
     def qsize(self) -> int:
-        return self._maxsize - self._sem._semlock._get_value()
+        taken: int = self._sem._semlock._get_value()  # the stdlib's SemLock, untyped
+        return self._maxsize - taken
 
     def empty(self) -> bool:
         return not self._reader.poll()

@@ -16,6 +16,7 @@ travels in the environment, so a program started with ``subprocess`` is a tree o
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .. import _message
@@ -31,7 +32,7 @@ class StartupMessage:
         self.deferred = deferred
         self.tree = _tree.tree_address()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., _Received], tuple[Any, ...]]:
         from multiprocessing.reduction import DupFd
 
         fds = [DupFd(fd) for fd in self.message.fds]

@@ -168,6 +168,7 @@ class _Daemon:
                     self.accept()
                 elif isinstance(key.fileobj, int):
                     self.exited(key.fileobj)
+                # what is left is a client socket (registered only as one)
                 elif events & selectors.EVENT_WRITE:
                     self.write(key.fileobj)  # type: ignore[arg-type]
                 else:

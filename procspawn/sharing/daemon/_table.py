@@ -16,7 +16,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import TypeVar
 
 SHM_DIR = "/dev/shm"
@@ -358,6 +358,7 @@ def let_go(name: str, pid: int | None = None, every: bool = False) -> bool:
             if not table.empty():
                 return True
             if not changed and every:
+                # every name in the table matched NAME_RE when it was added
                 creator = int(NAME_RE.fullmatch(name).group(1))  # type: ignore[union-attr]
                 changed = creator == pid or not _alive(creator)
             if changed:
@@ -477,7 +478,7 @@ def sweep(
     *,
     young: float = YOUNG,
     creator_dead: bool = True,
-    keep: set[str] = frozenset(),  # type: ignore[assignment]
+    keep: Set[str] = frozenset(),
     dry_run: bool = False,
 ) -> list[tuple[str, int]]:
     """Unlink this user's segments that no live process maps or holds open.

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import types
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -11,18 +12,85 @@ from . import _recycled, _slabs
 from ._ndarray import copy_to_segment, empty_like_in_segment
 from ._segment import segment_of
 
+if TYPE_CHECKING:  # pragma: no cover
+    from numpy.typing import DTypeLike
 
-def empty(shape: Any, dtype: Any = float) -> np.ndarray:
+_T = TypeVar("_T")
+
+
+def empty(
+    shape: int | np.integer | Iterable[int | np.integer], dtype: DTypeLike = float
+) -> np.ndarray:
     """A new array in shared memory (its contents are zero: fresh segments are zeroed).
 
+    The same as :func:`zeros`: ``numpy.empty``'s name, for code written with it.
+
+    Args:
+        shape: the array's shape, an int or a sequence of ints.
+        dtype: anything ``numpy.dtype()`` takes (default float64).
+
+    Returns:
+        A C-ordered, writable ndarray over shared memory: passed to ``spawn``, a Pool
+        or a procspawn Queue, the receivers get the same memory, not a copy.
+
     Raises:
-        SharedMemoryFullError: not enough shared memory (raised now, never a bus error later).
+        ValueError: a negative dimension.
+        TypeError: ``shape`` or ``dtype`` is not one.
+        SharedMemoryFullError: under the ``file_system`` strategy, not enough shared
+            memory (raised now, never a bus error later).
+        FdLimitError: under a ``file_descriptor`` strategy chosen by the user, this
+            process is out of file descriptors (the default one turns to
+            ``file_system`` instead, with a warning).
+
+    Example::
+
+        from procspawn import sharing
+
+        buffer = sharing.empty((2, 3), dtype="float32")
+        assert buffer.shape == (2, 3) and sharing.is_shared(buffer)
     """
     return empty_like_in_segment(shape, dtype)
 
 
-def zeros(shape: Any, dtype: Any = float) -> np.ndarray:
-    """A new zero-filled array in shared memory."""
+def zeros(
+    shape: int | np.integer | Iterable[int | np.integer], dtype: DTypeLike = float
+) -> np.ndarray:
+    """A new zero-filled array in shared memory.
+
+    What the ranks write to it, the parent and every other rank see: make the arrays
+    the ranks share (weights, results) with it, or move existing ones there with
+    :func:`share_memory_`. Its memory goes back when the last array over it, in any
+    process, is gone.
+
+    Args:
+        shape: the array's shape, an int or a sequence of ints.
+        dtype: anything ``numpy.dtype()`` takes (default float64).
+
+    Returns:
+        A C-ordered, writable, zero-filled ndarray over shared memory.
+
+    Raises:
+        ValueError: a negative dimension.
+        TypeError: ``shape`` or ``dtype`` is not one.
+        SharedMemoryFullError: under the ``file_system`` strategy, not enough shared
+            memory (raised now, never a bus error later).
+        FdLimitError: under a ``file_descriptor`` strategy chosen by the user, this
+            process is out of file descriptors (the default one turns to
+            ``file_system`` instead, with a warning).
+
+    Example::
+
+        import procspawn
+        from procspawn import sharing
+
+        def add_rank(rank, totals):
+            totals[rank] += rank
+
+        if __name__ == "__main__":
+            totals = sharing.zeros(4, dtype="int64")
+            procspawn.spawn(add_rank, args=(totals,), nprocs=4)
+            assert totals.tolist() == [0, 1, 2, 3]
+    """
     return empty_like_in_segment(shape, dtype)
 
 
@@ -31,6 +99,8 @@ def trim() -> int:
     recycled segments, which carried copies at sends (``PROCSPAWN_POOL_BYTES``), and the
     slabs being filled (otherwise held until a second after their last small array was made).
 
+    Arrays still in use are not touched.
+
     Returns:
         How many bytes of recycled segments were kept (their sizes).
     """
@@ -38,12 +108,30 @@ def trim() -> int:
     return _recycled.trim()
 
 
-def is_shared(array: Any) -> bool:
-    """True when ``array``'s memory lies in a procspawn shared segment."""
+def is_shared(array: object) -> bool:
+    """Whether ``array``'s memory lies in a procspawn shared segment.
+
+    Args:
+        array: any object; only an ndarray (or a view of one) can be shared.
+
+    Returns:
+        True for an array made by :func:`zeros` / :func:`empty` / :func:`share_memory_`,
+        received from another process through procspawn, or a view of one; False
+        otherwise, and for anything that is not an ndarray.
+
+    Example::
+
+        import numpy as np
+        from procspawn import sharing
+
+        shared = sharing.zeros(8)
+        assert sharing.is_shared(shared) and sharing.is_shared(shared[2:4])
+        assert not sharing.is_shared(np.zeros(8))
+    """
     return isinstance(array, np.ndarray) and segment_of(array) is not None
 
 
-def share_memory_(obj: Any) -> Any:
+def share_memory_(obj: _T) -> _T:
     """Move arrays into shared memory: the entry point for Hogwild-style sharing.
 
     Args:
@@ -66,10 +154,31 @@ def share_memory_(obj: Any) -> Any:
             nothing would share it, and writes made by the ranks would be lost. The
             check comes before anything is changed when it can (masked arrays, bad
             arguments); a failing attribute is reported as it is met.
+        SharedMemoryFullError: as for :func:`zeros`.
+        FdLimitError: as for :func:`zeros`.
+
+    Example::
+
+        import numpy as np
+        import procspawn
+        from procspawn import sharing
+
+        class Model:
+            def __init__(self):
+                self.weights = np.zeros(4)
+
+        def train(rank, model):
+            model.weights[rank] = 1.0  # the parent's model sees it
+
+        if __name__ == "__main__":
+            model = sharing.share_memory_(Model())  # its arrays are replaced in place
+            procspawn.spawn(train, args=(model,), nprocs=4)
+            assert model.weights.tolist() == [1.0, 1.0, 1.0, 1.0]
     """
     if isinstance(obj, np.ndarray):
         _check_array(obj, "the array")
-        return obj if is_shared(obj) else _keep_type(copy_to_segment(obj), obj)
+        # _keep_type gives the copy obj's own type (an ndarray subclass stays one)
+        return obj if is_shared(obj) else cast(_T, _keep_type(copy_to_segment(obj), obj))
     if isinstance(obj, tuple) or not _searchable(obj):
         raise TypeError(
             f"share_memory_ takes an ndarray, a dict, a list or an object with array "
@@ -255,4 +364,5 @@ def _share_together(arrays: list[np.ndarray]) -> dict[int, np.ndarray]:
 
 def _bytes_view(root: np.ndarray) -> memoryview:
     """The raw bytes an owning array allocated (it is contiguous in one of C/F order)."""
+    # an ndarray is a buffer; numpy's stubs say so only from Python 3.12 (collections.abc.Buffer)
     return memoryview(root.reshape(-1, order="A").view(np.uint8))  # type: ignore[arg-type]

@@ -237,6 +237,7 @@ class _KeptNames(_recycled.Kind):
 
         return _create(capacity, mapper)
 
+    # a file_system Kept always has its segment's name (Kept.name is str | None)
     def nobody_else(self, kept: _recycled.Kept) -> bool:
         return only_holder(kept.name)  # type: ignore[arg-type]
 

@@ -18,7 +18,8 @@ def dtype_code(dtype: np.dtype) -> str | np.dtype:
     few bytes, fast to read back), else the dtype itself (structured, subarray, metadata,
     user-defined)."""
     if dtype.metadata is None and (dtype.isbuiltin == 1 or dtype.kind in "MmSU"):
-        return dtype.str
+        code: str = dtype.str
+        return code
     return dtype
 
 
@@ -51,7 +52,7 @@ def array_over(
     else:
         buffer = np.asarray(Block(segment, *block))
         offset -= block[0]
-    array = np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
+    array: np.ndarray = np.ndarray(shape, dtype, buffer=buffer, offset=offset, strides=strides)
     if not writeable:
         array.flags.writeable = False
     return array
@@ -78,10 +79,13 @@ def empty_like_in_segment(
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     block = _slabs.carve(nbytes)
+    array: np.ndarray
     if block is not None:
-        return np.ndarray(shape, dtype, buffer=np.asarray(block), order=order)
+        array = np.ndarray(shape, dtype, buffer=np.asarray(block), order=order)
+        return array
     segment = _strategy.allocate(nbytes, for_copy)
-    return np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
+    array = np.ndarray(shape, dtype, buffer=bytes_of(segment), order=order)
+    return array
 
 
 def copy_to_segment(array: np.ndarray, for_send: bool = False) -> np.ndarray:

@@ -22,7 +22,7 @@ import mmap
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from multiprocessing import util
 from typing import Any
 
@@ -142,6 +142,24 @@ def _collected(
 class Segment:
     """One mapped shared-memory region made by a sharing strategy.
 
+    A strategy makes one with :meth:`Segment.map`; the region is unmapped (and
+    ``on_release`` run) when the Segment is garbage-collected, that is when the last
+    array over it in this process is gone.
+
+    Args:
+        address: where the usable bytes start in this process.
+        size: how many usable bytes there are.
+        strategy: the name of the strategy that made it.
+        key: the segment's identity across processes (a receiver maps each key once).
+        map_address: where the whole mapping starts (unmapped on release).
+        map_length: the whole mapping's length in bytes.
+        fd: a descriptor the segment owns and closes on release, or -1.
+        name: the file name of a named segment, or None.
+        on_release: called once when the Segment is released (or at exit), in the
+            process that made it only.
+        recycle: called as ``recycle(map_address, map_length, fd)`` instead of unmapping,
+            to keep the mapping for reuse.
+
     Attributes:
         address: where the usable bytes start in this process.
         size: how many usable bytes there are.
@@ -172,13 +190,13 @@ class Segment:
         address: int,
         size: int,
         strategy: str,
-        key: Any,
+        key: Hashable,
         map_address: int,
         map_length: int,
         fd: int = -1,
         name: str | None = None,
-        on_release: Callable[[], Any] | None = None,
-        recycle: Callable[[int, int, int], Any] | None = None,
+        on_release: Callable[[], object] | None = None,
+        recycle: Callable[[int, int, int], object] | None = None,
     ) -> None:
         self.address = address
         self.size = size
@@ -213,16 +231,34 @@ class Segment:
         size: int,
         *,
         strategy: str,
-        key: Any,
+        key: Hashable,
         header: int = 0,
         keep_fd: bool = False,
-        on_release: Callable[[], Any] | None = None,
+        on_release: Callable[[], object] | None = None,
     ) -> Segment:
         """Map ``header + size`` bytes of ``fd`` shared; the usable bytes start after ``header``.
 
         With ``keep_fd`` the Segment owns ``fd`` and closes it on release; otherwise the
         caller may close ``fd`` at once (the mapping needs no descriptor). ``on_release``
         runs once when the Segment is released in the process that made it.
+
+        Args:
+            fd: a descriptor of the shared memory (a memfd, a file in /dev/shm), open
+                for reading and writing.
+            size: how many usable bytes to map.
+            strategy: the name of the strategy making it (``self.name`` in a strategy).
+            key: the segment's identity across processes: the same for every process
+                mapping it, different for every other segment (``(st_dev, st_ino)``).
+            header: bytes at the start of ``fd`` that are not the segment's.
+            keep_fd: the Segment owns ``fd`` (a strategy that sends it on needs it).
+            on_release: called once when the Segment is released.
+
+        Returns:
+            The Segment; ``np.asarray(segment)`` is a uint8 array over its usable bytes.
+
+        Raises:
+            OSError: the mapping failed (out of memory, or of mappings: the message
+                says which limit and how to raise it).
         """
         length = max(header + size, 1)
         address = map_fd(fd, length)
@@ -306,7 +342,5 @@ def segment_of(array: Any) -> tuple[Segment, int, tuple[int, int] | None] | None
     if base is None:
         return None
     if _data_pointer is None:
-        _data_pointer = _data_pointer_reader() or (
-            lambda a: a.__array_interface__["data"][0]  # type: ignore[no-any-return]
-        )
+        _data_pointer = _data_pointer_reader() or (lambda a: a.__array_interface__["data"][0])
     return base, _data_pointer(array) - base.address, block

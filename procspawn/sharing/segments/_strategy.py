@@ -45,27 +45,100 @@ class SharingStrategy:
 
     Whatever a strategy does, it keeps the lifetime rule of ``procspawn.sharing``: a
     segment lives while an array over it or a message carrying it does, no longer.
+
+    A handle is whatever the strategy picks (it must pickle), so ``rebuild`` and
+    ``adopt_cached`` take it as ``Any``: a subclass names its own handle type there.
+
+    Example::
+
+        import os
+
+        from procspawn import sharing
+
+        class Memfd(sharing.SharingStrategy):
+            def allocate(self, nbytes):
+                fd = os.memfd_create("mine", os.MFD_CLOEXEC)
+                os.ftruncate(fd, max(nbytes, 1))
+                st = os.fstat(fd)
+                return sharing.Segment.map(
+                    fd, nbytes, strategy=self.name, key=(st.st_dev, st.st_ino), keep_fd=True
+                )
+
+            def reduce(self, segment):
+                return (sharing.attach_fd(segment.fd, segment), segment.size)
+
+            def rebuild(self, handle):
+                index, size = handle
+                fd = os.dup(sharing.received_fd(index))
+                st = os.fstat(fd)
+                return sharing.Segment.map(
+                    fd, size, strategy=self.name, key=(st.st_dev, st.st_ino), keep_fd=True
+                )
+
+        sharing.register_strategy("memfd", Memfd())
+        sharing.set_sharing_strategy("memfd")
+        assert sharing.is_shared(sharing.zeros(1 << 20))
     """
 
     #: set by register_strategy
     name: str = ""
 
     def allocate(self, nbytes: int) -> Segment:
+        """Make a new segment in this process (its bytes zero).
+
+        Args:
+            nbytes: how many usable bytes it needs.
+
+        Returns:
+            The new Segment (``Segment.map`` makes one from a descriptor).
+        """
         raise NotImplementedError
 
     def allocate_for_copy(self, nbytes: int) -> Segment:
         """A segment that a send fills at once with a copy (its old bytes need not be
-        zero, so the strategy may reuse one); by default ``allocate``."""
+        zero, so the strategy may reuse one); by default ``allocate``.
+
+        Args:
+            nbytes: how many usable bytes it needs.
+
+        Returns:
+            The Segment.
+        """
         return self.allocate(nbytes)
 
-    def reduce(self, segment: Segment) -> Any:
+    def reduce(self, segment: Segment) -> object:
+        """Turn a Segment into a picklable handle, while a message is being pickled.
+
+        Args:
+            segment: a segment this strategy made (or rebuilt) in this process.
+
+        Returns:
+            The handle ``rebuild`` takes in the receiver (``sharing.attach_fd`` sends a
+            descriptor along with the message; put its index in the handle).
+        """
         raise NotImplementedError
 
     def rebuild(self, handle: Any) -> Segment:
+        """Map the segment a handle names, in the process that received it.
+
+        Args:
+            handle: what ``reduce`` returned in the sender (``sharing.received_fd``
+                gives a descriptor sent with it).
+
+        Returns:
+            A new Segment over the same memory.
+        """
         raise NotImplementedError
 
     def adopt_cached(self, handle: Any, segment: Segment) -> None:
-        """A handle arrived for a segment this process already maps; default: nothing."""
+        """A handle arrived for a segment this process already maps; default: nothing.
+
+        Args:
+            handle: what ``reduce`` returned in the sender.
+            segment: the Segment this process maps already (it is used instead of a
+                new one); release here what the handle carried beyond the message's
+                descriptors (those are closed for it).
+        """
 
 
 _strategies: dict[str, SharingStrategy] = {}
@@ -82,6 +155,13 @@ if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
 
 def register_strategy(name: str, strategy: SharingStrategy) -> None:
     """Make ``strategy`` available under ``name`` (for ``set_sharing_strategy``).
+
+    A strategy registered again under its name replaces the earlier one. Children get
+    it with the segments it made (it travels with their handles).
+
+    Args:
+        name: the name ``set_sharing_strategy`` takes.
+        strategy: an instance of a ``SharingStrategy`` subclass; its ``name`` is set.
 
     Raises:
         TypeError: ``strategy`` is not a SharingStrategy.
@@ -117,12 +197,17 @@ def strategy_named(name: str) -> SharingStrategy | None:
 
 
 def get_all_sharing_strategies() -> set[str]:
-    """The names of every strategy this process can use."""
+    """The names of every strategy this process can use.
+
+    Returns:
+        The built-in ones (``file_descriptor`` on Linux, ``file_system``) and those
+        registered with ``procspawn.sharing.register_strategy``.
+    """
     return set(_strategies) | set(BUILTIN)
 
 
 def _default() -> str:
-    name = _settings.get(_ENV)
+    name: str | None = _settings.get(_ENV)
     if name:
         if name not in get_all_sharing_strategies():
             raise ValueError(
@@ -137,7 +222,15 @@ def get_sharing_strategy() -> str:
     """The name of the strategy new shared segments are made with.
 
     The default is ``file_descriptor`` on Linux and ``file_system`` elsewhere; the
-    environment variable ``PROCSPAWN_SHARING_STRATEGY`` overrides it.
+    environment variable ``PROCSPAWN_SHARING_STRATEGY`` overrides it, and
+    ``set_sharing_strategy`` overrides both.
+
+    Returns:
+        The strategy's name.
+
+    Raises:
+        ValueError: ``PROCSPAWN_SHARING_STRATEGY`` names no strategy (read the first time
+            it is needed).
     """
     global _current
     if _current is None:
@@ -148,9 +241,26 @@ def get_sharing_strategy() -> str:
 def set_sharing_strategy(name: str) -> None:
     """Make new shared segments with strategy ``name``; ranks started later inherit it.
 
+    ``file_descriptor`` (the default on Linux): anonymous memory, one file descriptor per
+    live segment in each process that holds it; nothing can leak. ``file_system``: named
+    segments in /dev/shm, no descriptor per array (for programs that hold very many
+    arrays), cleaned up by a daemon if a process dies. Arrays made earlier keep theirs;
+    the choice also ends the default strategy's fallback to ``file_system`` when a process
+    runs short of descriptors (running out is then an ``FdLimitError``).
+
+    Args:
+        name: one of ``get_all_sharing_strategies()``.
+
     Raises:
         ValueError: ``name`` is not registered (the message lists the valid names);
             nothing is changed.
+
+    Example::
+
+        import procspawn
+
+        procspawn.set_sharing_strategy("file_system")
+        assert procspawn.get_sharing_strategy() == "file_system"
     """
     global _current, _explicit
     valid = get_all_sharing_strategies()

@@ -21,6 +21,7 @@ import sys
 import threading
 import types
 from collections import ChainMap
+from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -164,14 +165,14 @@ def _cloud_picklers() -> tuple[type, type]:
     if _cloud is None:
         import cloudpickle
 
-        class Pickler(cloudpickle.Pickler):
+        class Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle has no types
             """cloudpickle with procspawn's and multiprocessing's reducers in front of
             copyreg's."""
 
             dispatch_table = ChainMap(
                 _registry.reducers,
                 {io.TextIOWrapper: _reduce_text_file, types.CodeType: _reduce_code},
-                ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+                ForkingPickler._extra_reducers,  # type: ignore[attr-defined]  # not in typeshed
                 getattr(cloudpickle.Pickler, "dispatch_table", copyreg.dispatch_table),
             )
 
@@ -188,8 +189,9 @@ def _cloud_picklers() -> tuple[type, type]:
                 self._deferred = deferred
                 self._deferred_types = _deferred_types()
 
-            def persistent_id(self, obj: Any) -> int | None:  # type: ignore[override]
+            def persistent_id(self, obj: Any) -> int | None:
                 if isinstance(obj, self._deferred_types) or (
+                    # typeshed has no _extra_reducers
                     type(obj) in ForkingPickler._extra_reducers  # type: ignore[attr-defined]
                     and type(obj).__module__ == "multiprocessing.sharedctypes"
                 ):
@@ -264,7 +266,7 @@ def defer_at_start(*types: type) -> None:
 
 
 class _DeferredUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, deferred: list[Any]) -> None:
+    def __init__(self, file: io.BytesIO, deferred: Sequence[object]) -> None:
         super().__init__(file)
         self._deferred = deferred
 
@@ -272,8 +274,13 @@ class _DeferredUnpickler(pickle.Unpickler):
         return self._deferred[pid]
 
 
-def dumps(obj: Any, deferred: list[Any] | None = None) -> Message:
+def dumps(obj: object, deferred: list[object] | None = None) -> Message:
     """Pickle ``obj`` for another process.
+
+    Plain data goes through the C pickler, anything else through cloudpickle (lambdas,
+    closures, functions of ``__main__``). A shared array goes as a handle to its
+    segment; any other array of 64 KiB or more (``PROCSPAWN_INLINE_BYTES``) is copied
+    once into a new segment, and smaller ones are pickled as NumPy pickles them.
 
     Args:
         obj: anything cloudpickle can pickle; arrays go through shared memory.
@@ -281,8 +288,24 @@ def dumps(obj: Any, deferred: list[Any] | None = None) -> Message:
             Connection, socket, ...) are appended to it instead of being pickled.
 
     Returns:
-        A Message: it keeps the segments it carries alive until ``close()``, which the
-        caller calls once it was sent (or will never be).
+        A Message: ``data`` (the pickle bytes) and ``fds`` (the descriptors to send with
+        them). It keeps the segments it carries alive until ``close()``, which the
+        caller calls once it was sent (or ``abandon()`` if it will never be).
+
+    Raises:
+        pickle.PicklingError: ``obj`` cannot be pickled (an open file, say).
+        TypeError: ``obj`` holds something no pickler takes (a lock, say).
+        SharedMemoryFullError: as for ``zeros``, when an array is copied.
+        FdLimitError: as for ``zeros``, when an array is copied.
+
+    Example::
+
+        import numpy as np
+        from procspawn import sharing
+
+        message = sharing.dumps({"weights": np.ones(100_000)})
+        # ... send message.data and message.fds (SCM_RIGHTS), then:
+        message.close()
     """
     _registry.load_plugins()
     if deferred is None and not _plain_types_overridden():
@@ -341,10 +364,26 @@ def dumps(obj: Any, deferred: list[Any] | None = None) -> Message:
 
 def loads(
     data: bytes | bytearray | memoryview,
-    fds: list[int] = (),  # type: ignore[assignment]
-    deferred: list[Any] | None = None,
+    fds: Sequence[int] = (),
+    deferred: Sequence[object] | None = None,
 ) -> Any:
-    """Unpickle a message; closes every descriptor in ``fds`` no rebuild function took."""
+    """Unpickle a message made by :func:`dumps` in another process.
+
+    Args:
+        data: the message's pickle bytes.
+        fds: the descriptors received with it, in order; every one no rebuild function
+            took is closed, whatever happens.
+        deferred: the objects ``dumps(deferred=...)`` left out of the pickle, in order.
+
+    Returns:
+        The object; its arrays lie over the shared segments the descriptors name.
+
+    Raises:
+        pickle.UnpicklingError: ``data`` is not a pickle, or is cut short.
+        EOFError: ``data`` is empty.
+        IndexError: a shared-memory handle in ``data`` names a descriptor missing from
+            ``fds``.
+    """
     state = RecvState(list(fds))
     previous = begin_receive(state)
     try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import weakref
-from multiprocessing.context import get_spawning_popen  # type: ignore[attr-defined]
+from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
 

@@ -2,7 +2,10 @@
 
 ``import procspawn as mp`` is a drop-in for ``multiprocessing``: every public name of it is
 here, and ``Process``, ``Queue``, ``JoinableQueue``, ``SimpleQueue``, ``Pipe``, ``Pool`` and
-``get_context`` are procspawn's, which move arrays through shared memory.
+``get_context`` are procspawn's, which move arrays through shared memory. The primitives
+tied to a start method (``Lock``, ``RLock``, ``Condition``, ``Semaphore``,
+``BoundedSemaphore``, ``Event``, ``Barrier``, ``Value``, ``Array``, ``Manager``) are made
+by procspawn's default context, so that they can be passed to procspawn's processes.
 
 Names are imported on first use (PEP 562), so a rank imports only what it needs: a worker
 whose function never touches NumPy does not pay for importing it.
@@ -55,6 +58,16 @@ if TYPE_CHECKING:  # pragma: no cover
     JoinableQueue = default_context.JoinableQueue
     SimpleQueue = default_context.SimpleQueue
     Pipe = default_context.Pipe
+    Lock = default_context.Lock
+    RLock = default_context.RLock
+    Condition = default_context.Condition
+    Semaphore = default_context.Semaphore
+    BoundedSemaphore = default_context.BoundedSemaphore
+    Event = default_context.Event
+    Barrier = default_context.Barrier
+    Value = default_context.Value
+    Array = default_context.Array
+    Manager = default_context.Manager
 
 # The one table of public names: name -> (module, attribute path), the attribute path None
 # for a module itself. ``__all__`` and ``__getattr__`` are built from it; the
@@ -97,6 +110,18 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "JoinableQueue": ("._dropin", "default_context.JoinableQueue"),
     "SimpleQueue": ("._dropin", "default_context.SimpleQueue"),
     "Pipe": ("._dropin", "default_context.Pipe"),
+    # ... and the primitives whose semaphores (or server process) belong to a start
+    # method: made by procspawn's default context, they can go to procspawn's processes
+    "Lock": ("._dropin", "default_context.Lock"),
+    "RLock": ("._dropin", "default_context.RLock"),
+    "Condition": ("._dropin", "default_context.Condition"),
+    "Semaphore": ("._dropin", "default_context.Semaphore"),
+    "BoundedSemaphore": ("._dropin", "default_context.BoundedSemaphore"),
+    "Event": ("._dropin", "default_context.Event"),
+    "Barrier": ("._dropin", "default_context.Barrier"),
+    "Value": ("._dropin", "default_context.Value"),
+    "Array": ("._dropin", "default_context.Array"),
+    "Manager": ("._dropin", "default_context.Manager"),
     # settings
     "SettingError": ("._settings", "SettingError"),
     # the subpackages

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import signal
+import textwrap
 import threading
 import time
 
@@ -19,6 +20,7 @@ from _helpers import (
     queue_and_event,
     quick_or_slow,
     rank_environment,
+    run_file,
     scaled,
     sleep_then_return,
     square,
@@ -144,6 +146,47 @@ def test_multiprocessing_objects_in_args(start_method):
     assert ctx.results == [0, 1, 2]
     queue.close()
     queue.join_thread()
+
+
+@pytest.mark.timeout(90)
+def test_the_top_level_primitives_go_to_ranks_under_the_default_start_method(tmp_path):
+    """``mp.Lock()``, ``mp.Barrier()``... as a user of ``import procspawn as mp`` writes
+    them: made by procspawn's default context, they go to its ranks (the stdlib's default
+    context made them for fork, and procspawn's fork server refused them). A script: the
+    stdlib keeps the heap arena of ``Value``/``Array`` for the life of the process."""
+    script = tmp_path / "primitives.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import procspawn as mp
+
+            def work(rank, barrier, value, array, condition, semaphore, event, rlock):
+                barrier.wait(30)  # every rank got here
+                with value.get_lock():
+                    value.value += 1
+                with semaphore:
+                    array[rank] = rank + 1
+                with condition:
+                    condition.notify_all()
+                if rank == 0:
+                    with rlock, rlock:
+                        event.set()
+                return rank
+
+            if __name__ == "__main__":
+                assert mp.get_start_method() == "forkserver"
+                event = mp.Event()
+                value, array = mp.Value("i", 0), mp.Array("i", 2)
+                args = (mp.Barrier(2), value, array, mp.Condition(mp.Lock()),
+                        mp.BoundedSemaphore(1), event, mp.RLock())
+                print(mp.spawn(work, args=args, nprocs=2), value.value, list(array),
+                      event.is_set())
+            """
+        )
+    )
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[0, 1] 2 [1, 2] True"
 
 
 def test_pipe_in_args(start_method):

@@ -35,10 +35,10 @@ _PATIENCE = 10.0
 # A cleanup daemon waits this long for a new client once its last has gone: every test
 # that starts a tree of its own (a script, a stdlib Process) would otherwise wait out the
 # default 2 s in its leak check. The daemons still do everything they do by default.
-os.environ.setdefault("PROCSPAWN_DAEMON_GRACE", "0.5")
+os.environ.setdefault("PROCSPAWN_DAEMON_GRACE", "0.2")
 # Likewise the slab being filled is held this long after the last small array was made
 # (default 1 s), which every leak check would wait out.
-os.environ.setdefault("PROCSPAWN_SLAB_LINGER", "0.2")
+os.environ.setdefault("PROCSPAWN_SLAB_LINGER", "0.1")
 # Recycled segments nobody reused for 5 s are given back by default: tests that look at
 # what is kept must not race that on a loaded machine (test_recycled checks the default in
 # a script).

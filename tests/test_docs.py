@@ -8,6 +8,7 @@ would paste it into a file and run it) and must exit 0. Shell commands and outpu
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import importlib.util
 import os
@@ -75,21 +76,42 @@ def python_blocks() -> list:
     return params
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize(("name", "line", "code"), python_blocks())
-def test_python_block_runs(name, line, code, tmp_path):
-    if 'backend="ray"' in code and importlib.util.find_spec("ray") is None:
-        pytest.skip("Ray is not installed (pip install 'procspawn[ray]')")
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    result = subprocess.run(
-        [sys.executable, str(script)],
+def _run_block(code: str, folder: str) -> subprocess.CompletedProcess:
+    script = os.path.join(folder, "example.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(code)
+    return subprocess.run(
+        [sys.executable, script],
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,
         env=script_env(),
-        cwd=tmp_path,
+        cwd=folder,
     )
+
+
+@pytest.fixture(scope="module")
+def block_runs(tmp_path_factory):
+    """Every python block run once, two at a time (each in a fresh interpreter and folder;
+    most of a block's time is its interpreter's start-up): test id -> its run. Done
+    before the first block's test starts, so each test's leak check sees none of them."""
+    runs = {}
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        for param in python_blocks():
+            name, line, code = param.values
+            if 'backend="ray"' in code and importlib.util.find_spec("ray") is None:
+                continue
+            folder = str(tmp_path_factory.mktemp("block"))
+            runs[param.id] = threads.submit(_run_block, code, folder)
+    return {key: future.result() for key, future in runs.items()}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("name", "line", "code"), python_blocks())
+def test_python_block_runs(name, line, code, block_runs, request):
+    if 'backend="ray"' in code and importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed (pip install 'procspawn[ray]')")
+    result = block_runs[request.node.callspec.id]
     assert result.returncode == 0, (
         f"the python block at {name}:{line} exited {result.returncode}\n"
         f"--- stdout\n{result.stdout}--- stderr\n{result.stderr}"

@@ -38,9 +38,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .context import progress as progress
     from .context import spawn as spawn
     from .context import start_processes as start_processes
-    from .context._forkserver import set_forkserver_preload as set_forkserver_preload
-    from .context._start_method import get_start_method as get_start_method
-    from .context._start_method import set_start_method as set_start_method
+    from .context.launch._forkserver import set_forkserver_preload as set_forkserver_preload
+    from .context.launch._start_method import get_start_method as get_start_method
+    from .context.launch._start_method import set_start_method as set_start_method
     from .pool import InitializerError as InitializerError
     from .pool import Pool as Pool
     from .pool import ProcessPoolExecutor as ProcessPoolExecutor
@@ -86,9 +86,9 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "progress": (".context", "progress"),
     "RayMissingError": (".context", "RayMissingError"),
     "RayResourcesError": (".context", "RayResourcesError"),
-    "get_start_method": (".context._start_method", "get_start_method"),
-    "set_start_method": (".context._start_method", "set_start_method"),
-    "set_forkserver_preload": (".context._forkserver", "set_forkserver_preload"),
+    "get_start_method": (".context.launch._start_method", "get_start_method"),
+    "set_start_method": (".context.launch._start_method", "set_start_method"),
+    "set_forkserver_preload": (".context.launch._forkserver", "set_forkserver_preload"),
     # the pools
     "Pool": (".pool", "Pool"),
     "ProcessPoolExecutor": (".pool", "ProcessPoolExecutor"),

@@ -22,7 +22,7 @@ import multiprocessing.context as mpc
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
-from .context._start_method import get_start_method, set_start_method
+from .context.launch._start_method import get_start_method, set_start_method
 from .sharing.channels._connection import Pipe as _Pipe
 from .sharing.channels._queues import JoinableQueue as _JoinableQueue
 from .sharing.channels._queues import Queue as _Queue

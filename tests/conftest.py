@@ -66,7 +66,7 @@ def _session_setup():
 
     forkserver.ensure_running()
     resource_tracker.ensure_running()
-    from procspawn.context import _forkserver
+    from procspawn.context.launch import _forkserver
 
     _forkserver.ensure_running()  # procspawn's own fork server, alive until we exit
     procspawn.get_sharing_strategy()

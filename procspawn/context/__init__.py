@@ -1,4 +1,15 @@
-"""Spawning and watching worker processes (names imported on first use)."""
+"""Spawning and watching worker processes (names imported on first use).
+
+Floors, each importing only from those below it (and from ``procspawn.sharing``):
+
+    4  _spawn: spawn(), start_processes()
+    3  _process_context: ProcessContext (join, terminate, results)
+    2  _watch: the one watcher (exits and channels in one epoll, stop with a grace
+       period, describe an exit), used by spawn, the pools and ``procspawn run``;
+       _worker: the child side of spawn; _ray: backend="ray"
+    1  launch/: how a process starts (start method, parent-death guard, early-output
+       Popen, fork server, one child under any start method); _errors; _progress
+"""
 
 from __future__ import annotations
 

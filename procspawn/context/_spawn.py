@@ -31,10 +31,10 @@ from ..sharing.channels._startup import StartupMessage
 from ..sharing.wire import _pickler
 from . import _worker
 from ._errors import ctrl_c_in_caller
-from ._launch import parent_death_signal_is_safe, start_child
 from ._process_context import ProcessContext
 from ._progress import Progress, as_progress
-from ._start_method import get_start_method
+from .launch._child import parent_death_signal_is_safe, start_child
+from .launch._start_method import get_start_method
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._ray import RayContext

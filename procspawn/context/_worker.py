@@ -15,7 +15,7 @@ from typing import Any
 
 from ..sharing.channels._fdpass import send_message
 from ..sharing.wire import _pickler
-from . import _posix
+from .launch import _posix
 
 
 def main(

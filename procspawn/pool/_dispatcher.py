@@ -40,8 +40,6 @@ from typing import Any
 from .. import _log
 from .._output import OutputForwarder
 from ..context._errors import ProcessExitedException
-from ..context._forkserver import preload_also
-from ..context._launch import parent_death_signal_is_safe, start_child
 from ..context._watch import (
     Watcher,
     default_grace_period,
@@ -53,6 +51,8 @@ from ..context._watch import (
     sigint_held,
     stop,
 )
+from ..context.launch._child import parent_death_signal_is_safe, start_child
+from ..context.launch._forkserver import preload_also
 from ..sharing._errors import ChannelClosed
 from ..sharing._message import Message
 from ..sharing.channels._fdpass import (

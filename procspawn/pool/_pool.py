@@ -25,7 +25,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, as_progress
-from ..context._start_method import get_start_method
+from ..context.launch._start_method import get_start_method
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 

@@ -32,7 +32,7 @@ import socket
 import sys
 from typing import Any
 
-from ..context import _posix
+from ..context.launch import _posix
 from ..sharing._errors import ChannelClosed
 from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
 from ..sharing.wire import _pickler

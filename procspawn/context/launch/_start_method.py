@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-from .. import _settings
+from ... import _settings
 
 ENV = "PROCSPAWN_START_METHOD"
 _chosen: str | None = None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from .._output import OutputForwarder
+from ..._output import OutputForwarder
 from ._forkserver import RankForkServerProcess
 from ._popen import EarlyRedirect, RankSpawnProcess, RedirectFds
 

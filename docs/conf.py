@@ -17,7 +17,7 @@ ROOT = os.path.dirname(DOCS)
 GENERATED = os.path.join(DOCS, "_generated")
 
 sys.path.insert(0, os.path.join(DOCS, "_scripts"))
-sys.path.append(ROOT)  # an installed procspawn comes first; a bare checkout works too
+sys.path.insert(0, ROOT)  # this checkout's procspawn, never another one installed
 
 import docgen  # noqa: E402
 

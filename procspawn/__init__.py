@@ -132,7 +132,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
 
 __all__ = sorted([*_PUBLIC, "__version__"])
 
-# The rest of multiprocessing's public names (Lock, Event, Manager, cpu_count, ...), as they
+# The rest of multiprocessing's public names (cpu_count, current_process, ...), as they
 # are, for `import procspawn as mp`.
 _MP_NAMES = [n for n in _multiprocessing.__all__ if n not in __all__ and not n.startswith("_")]
 globals().update({name: getattr(_multiprocessing, name) for name in _MP_NAMES})

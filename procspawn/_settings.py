@@ -77,7 +77,7 @@ class Setting:
     default: Any  # the value when unset; None: the reader's own default (``shown``)
     meaning: str
     shown: str = ""  # the default as the settings page shows it, when not the value itself
-    old_names: tuple[str, ...] = ()  # earlier names, still read (with a DeprecationWarning)
+    old_names: tuple[str, ...] = ()  # earlier names, still read (with a FutureWarning)
 
     def parse(self, text: str) -> Any:
         try:
@@ -200,9 +200,11 @@ def get(name: str) -> Any:
     text = os.environ.get(name, "")
     for old in setting.old_names:
         if text == "" and os.environ.get(old, ""):
+            # a FutureWarning: the one who set the variable is the program's user, and
+            # Python shows DeprecationWarnings only to code of __main__
             warnings.warn(
                 f"{old} is deprecated: set {name} instead (same meaning and values)",
-                DeprecationWarning,
+                FutureWarning,
                 stacklevel=3,
             )
             text = os.environ[old]

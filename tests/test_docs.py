@@ -150,7 +150,7 @@ def test_every_public_name_is_on_the_api_page(docgen):
         assert "_generated/api.md" in f.read(), "api.md does not include the generated list"
     text = docgen.api_page.api_markdown()
     documented = set(re.findall(r"^\.\. auto\w+:: (\S+)$", text, re.MULTILINE))
-    listed = set(re.findall(r"`(procspawn(?:\.\w+)+)`", text))
+    listed = set(re.findall(r"`(procspawn(?:\.\w+)+)[`(]", text))
     for name in procspawn.__all__:
         assert f"procspawn.{name}" in documented | listed, f"procspawn.{name} is not on the page"
     for package in (sharing, pool):

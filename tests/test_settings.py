@@ -49,16 +49,16 @@ def test_every_variable_the_package_names_is_in_the_table_and_read_only_there():
     assert named - _SET_NOT_READ - old_names == set(SETTINGS)
 
 
-def test_the_daemons_old_setting_name_still_works_with_a_deprecation_warning(monkeypatch):
+def test_the_daemons_old_setting_name_still_works_with_a_warning(monkeypatch):
     monkeypatch.delenv("PROCSPAWN_DAEMON_GRACE", raising=False)
     monkeypatch.setenv("PROCSPAWN_MANAGER_GRACE", "7.5")
     _settings.reload("PROCSPAWN_DAEMON_GRACE")
     try:
-        with pytest.warns(DeprecationWarning, match="set PROCSPAWN_DAEMON_GRACE instead"):
+        with pytest.warns(FutureWarning, match="set PROCSPAWN_DAEMON_GRACE instead"):
             assert _settings.get("PROCSPAWN_DAEMON_GRACE") == 7.5
         monkeypatch.setenv("PROCSPAWN_MANAGER_GRACE", "soon")
         _settings.reload("PROCSPAWN_DAEMON_GRACE")
-        with pytest.warns(DeprecationWarning), pytest.raises(SettingError) as info:
+        with pytest.warns(FutureWarning), pytest.raises(SettingError) as info:
             _settings.get("PROCSPAWN_DAEMON_GRACE")
         assert "PROCSPAWN_MANAGER_GRACE='soon'" in str(info.value)  # the one the user set
         monkeypatch.setenv("PROCSPAWN_DAEMON_GRACE", "1.5")  # the new name wins, silently

@@ -41,6 +41,22 @@ GROUPS: list[tuple[str, list[str]]] = [
     ),
     ("Version", ["__version__"]),
 ]
+# multiprocessing's primitives tied to a start method: the stdlib's classes, made by
+# procspawn's default context (bound methods, whose signatures autodoc would cut short):
+# a table with their signatures
+PRIMITIVES = "Synchronization and shared values"
+PRIMITIVE_NAMES = [
+    "Lock",
+    "RLock",
+    "Condition",
+    "Semaphore",
+    "BoundedSemaphore",
+    "Event",
+    "Barrier",
+    "Value",
+    "Array",
+    "Manager",
+]
 ERRORS = "Errors"
 OTHER = "Other names"
 ORDER = [title for title, _ in GROUPS[:-1]] + [ERRORS, OTHER, GROUPS[-1][0]]
@@ -81,12 +97,14 @@ def top_level_sections() -> dict[str, list[str]]:
     import procspawn
 
     sections: dict[str, list[str]] = {title: [] for title, _ in GROUPS}
-    sections.update({ERRORS: [], OTHER: [], "stdlib": []})
+    sections.update({ERRORS: [], OTHER: [], PRIMITIVES: [], "stdlib": []})
     grouped = {name: title for title, names in GROUPS for name in names}
     for name in sorted(procspawn.__all__, key=str.lower):
         obj = getattr(procspawn, name)
         if _is_stdlib(name, obj):
             sections["stdlib"].append(name)
+        elif name in PRIMITIVE_NAMES:
+            sections[PRIMITIVES].append(name)
         elif name in grouped:
             sections[grouped[name]].append(name)
         elif isinstance(obj, type) and issubclass(obj, BaseException):
@@ -131,6 +149,24 @@ def api_markdown() -> str:
                 documented[id(obj)] = f"procspawn.{package}.{name}"
         if aliases:
             out += ["Also here, documented above:", "", *aliases, ""]
+
+    primitives = sections[PRIMITIVES]
+    if primitives:
+        out += [
+            f"## {PRIMITIVES}",
+            "",
+            "The standard library's primitives, made by procspawn's default context (its "
+            "start method: `procspawn.get_start_method()`), so that they can be passed to "
+            "procspawn's ranks, workers and processes. They are `multiprocessing`'s "
+            "classes, documented there.",
+            "",
+            "| call | makes |",
+            "|---|---|",
+        ]
+        for name in sorted(primitives, key=PRIMITIVE_NAMES.index):
+            signature = inspect.signature(getattr(procspawn, name))
+            out.append(f"| `procspawn.{name}{signature}` | `multiprocessing.{name}` |")
+        out.append("")
 
     stdlib = sections["stdlib"]
     if stdlib:

@@ -479,12 +479,15 @@ def test_under_fork_a_scripts_functions_go_by_name_only_when_the_worker_has_them
     assert result.stdout.strip() == "ok"
 
 
-def _collect_holding(lock: threading.Lock) -> None:
-    """Run the garbage collector in this thread while it holds ``lock``, as an allocation
-    inside any locked section may; a finalizer that waits for the lock hangs here."""
+def _collect_holding(*locks) -> None:
+    """Run the garbage collector in this thread while it holds ``locks``, as an allocation
+    inside any locked section may; a finalizer that waits for one of them hangs here."""
+    import contextlib
     import gc
 
-    with lock:
+    with contextlib.ExitStack() as held:
+        for lock in locks:
+            held.enter_context(lock)
         gc.collect()
 
 
@@ -506,7 +509,8 @@ def test_a_collected_imap_iterator_or_pool_never_waits_for_a_lock_its_thread_hol
         cycle.append(cycle)  # the iterator is left to the collector
         ref = weakref.ref(it)
         del it, cycle
-        runner = threading.Thread(target=_collect_holding, args=(p._dispatcher._lock,))
+        held = (p._dispatcher._lock, p._dispatcher._watcher._state)
+        runner = threading.Thread(target=_collect_holding, args=held)
         runner.start()
         runner.join(DEADLINE)
         assert not runner.is_alive(), "the iterator's finalizer waited for the pool's lock"
@@ -521,7 +525,8 @@ def test_a_collected_imap_iterator_or_pool_never_waits_for_a_lock_its_thread_hol
         del pool, cycle
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ResourceWarning)  # unclosed on purpose
-            runner = threading.Thread(target=_collect_holding, args=(dispatcher._lock,))
+            held = (dispatcher._lock, dispatcher._watcher._state)
+            runner = threading.Thread(target=_collect_holding, args=held)
             runner.start()
             runner.join(DEADLINE)
         assert not runner.is_alive(), "a pool's finalizer waited for its own lock"

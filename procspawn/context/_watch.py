@@ -188,7 +188,10 @@ class Watcher:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._woken = False
-        self._state = threading.Lock()
+        # re-entrant: wake() may run in a finalizer that the garbage collector started
+        # inside one of this watcher's own locked sections, in the same thread (every
+        # holder keeps it for a few instructions and never blocks under it)
+        self._state = threading.RLock()
         self._waiters: set[int] = set()  # threads in wait()
         self._closed = False  # close() was called
         self._gone = False  # its descriptors are closed
@@ -216,23 +219,6 @@ class Watcher:
             self._woken = True
             with contextlib.suppress(BlockingIOError, OSError):
                 os.write(self._wake_w, b"x")
-
-    def try_wake(self) -> None:
-        """``wake()`` for a finalizer, which may run inside any locked section of this
-        thread: never waits for the lock. Held by another thread, the wake is left out:
-        its holder is in ``wake()`` (which writes), or ``close()``, or is the waiter
-        entering or leaving ``wait()`` (where nothing allocates, so the collector does
-        not run there), which runs its loop again."""
-        if self._woken or not self._state.acquire(blocking=False):
-            return
-        try:
-            if self._woken or self._gone:
-                return
-            self._woken = True
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.write(self._wake_w, b"x")
-        finally:
-            self._state.release()
 
     def wait(self, timeout: float | None) -> list[tuple[Any, bool, bool]]:
         me = threading.get_ident()

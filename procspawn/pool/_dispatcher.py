@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import collections
 import copy
+import errno
 import itertools
 import os
 import signal
@@ -348,19 +349,17 @@ class Dispatcher:
         error.__cause__ = broken.__cause__
         return error
 
-    def request(self, action: Callable[[], None], finalizer: bool = False) -> None:
-        """Run ``action`` in the dispatcher thread, soon. ``finalizer``: called from a
-        ``__del__`` or a weakref callback, which the garbage collector may run in a thread
-        that holds one of our locks: take none (a deque append is atomic)."""
+    def request(self, action: Callable[[], None]) -> None:
+        """Run ``action`` in the dispatcher thread, soon. Safe from a finalizer (a
+        ``__del__`` or weakref callback, which the garbage collector may run in any thread,
+        inside any of our locked sections): a deque append is atomic, and the watcher's
+        ``wake()`` takes only its own re-entrant lock."""
         self._requests.append(action)
-        if finalizer:
-            self._watcher.try_wake()
-        else:
-            self._watcher.wake()
+        self._watcher.wake()
 
-    def abandon(self, job: Job, kill_running: bool = True, finalizer: bool = False) -> None:
+    def abandon(self, job: Job, kill_running: bool = True) -> None:
         """Drop a job's tasks not handed out yet and (``kill_running``) stop the workers
-        running its others, quietly; they are replaced. ``finalizer``: as ``request``'s."""
+        running its others, quietly; they are replaced."""
         job.abandoned = True
 
         def act() -> None:
@@ -370,7 +369,7 @@ class Dispatcher:
                     if worker.tasks and worker.tasks[0].job is job:
                         self._stop_worker(worker, "its task was abandoned", self._grace)
 
-        self.request(act, finalizer)
+        self.request(act)
 
     def kill(self, which: Callable[[Task], bool], error: BaseException) -> None:
         """Stop the tasks ``which`` picks among those handed out (soon, in the dispatcher
@@ -620,7 +619,13 @@ class Dispatcher:
         while self._live_count() < wanted:
             try:
                 self._start_worker()
-            except OSError as exc:
+            except (OSError, EOFError) as exc:
+                if self.state == STOPPING:
+                    # terminate() or Ctrl-C came meanwhile, and the program's exit may have
+                    # stopped the fork server under this start: nothing more to start
+                    return
+                if isinstance(exc, EOFError):  # the fork server closed on us: it is gone
+                    exc = OSError(errno.EPIPE, "the fork server exited while starting it")
                 self._break(
                     OSError(
                         exc.errno,

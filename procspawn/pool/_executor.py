@@ -233,7 +233,7 @@ class ProcessPoolExecutor(_cf.Executor):
         )
         # an executor dropped without shutdown() finishes its work, then its workers exit
         # (by its thread: the collector may run this in a thread holding its lock)
-        weakref.finalize(self, self._dispatcher.request, self._dispatcher.close, True)
+        weakref.finalize(self, self._dispatcher.request, self._dispatcher.close)
 
     @property
     def _processes(self) -> dict[int, Any]:

@@ -399,7 +399,7 @@ class IMapIterator(Generic[_T]):
         job = self.job
         if job is not None and not job.abandoned:
             try:
-                self._dispatcher.abandon(job, kill_running=False, finalizer=True)
+                self._dispatcher.abandon(job, kill_running=False)
             except Exception:
                 pass
 
@@ -904,7 +904,7 @@ class Pool:
             _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
             dispatcher = getattr(self, "_dispatcher", None)
             if dispatcher is not None:  # by its thread: this thread may hold its lock
-                dispatcher.request(functools.partial(dispatcher.terminate, wait=False), True)
+                dispatcher.request(functools.partial(dispatcher.terminate, wait=False))
 
 
 def _feed(

@@ -149,7 +149,7 @@ def _send(record: bytes) -> None:
         _tree.joined = True
         _log.debug("connected to the cleanup daemon @%s", tree_address())
         threading.Thread(
-            target=_watch, args=(conn,), name="procspawn-manager-watch", daemon=True
+            target=_watch, args=(conn,), name="procspawn-daemon-watch", daemon=True
         ).start()
         return
     raise OSError(f"the cleanup daemon at @{tree_address()} keeps closing on this process")

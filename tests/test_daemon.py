@@ -324,13 +324,13 @@ def test_1100_clients_under_the_default_descriptor_limit_one_daemon_one_table():
 
 
 def _close_daemon_connection_then_wait(name_out, stop):
-    from procspawn.sharing.daemon import _client as manager
+    from procspawn.sharing.daemon import _client as client
 
     mp.set_sharing_strategy("file_system")
     keep = sharing.zeros(100_000)
     keep[0] = 1
-    with manager._lock:  # as a program that closes descriptors it does not know of
-        conn, manager._conn = manager._conn, None
+    with client._lock:  # as a program that closes descriptors it does not know of
+        conn, client._conn = client._conn, None
         conn.close()
     name_out.put(next(n for n in _segments() if n.startswith(f"procspawn_{os.getpid()}_")))
     stop.get(timeout=60)

@@ -536,8 +536,9 @@ def spawn(
         fn: the function each rank runs, as ``fn(rank, *args, **kwargs)``; lambdas,
             closures and functions defined in ``__main__`` work.
         args: arguments passed after the rank, a tuple (or a list). NumPy arrays go
-            through shared memory; multiprocessing Queues, Pipes, Locks and Events work
-            as with ``Process``.
+            through shared memory; Queues, Pipes, Locks and Events work as with
+            ``Process`` when made for the ranks' start method (``procspawn.Lock()``,
+            ``procspawn.Queue()``: procspawn's default context makes them).
         nprocs: the number of ranks, an int >= 1.
         join: wait for all ranks and return their results (True), or return a
             :class:`ProcessContext` at once (False).

@@ -481,20 +481,120 @@ def test_populate_faults_in_a_new_segment_in_one_call():
     assert _resident_kib(segment.address) >= 4 << 10
 
 
-def test_a_send_faults_in_only_a_new_segment_before_copying(recycling, monkeypatch):
-    """A copy into a new segment faults its pages in first (one madvise); a recycled
-    segment's pages are in place, so its copy does not ask again."""
+def _recycled_resident_kib() -> int:
+    """Rss of the recycled segments this process keeps (its ``---s`` mappings)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                inside = len(fields) == 6 and fields[1] == "---s" and _RECYCLED in fields[5]
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total
+
+
+def test_a_send_writes_a_new_segment_through_its_file_and_maps_it_on_first_reuse(
+    recycling, monkeypatch
+):
+    """A copy into a new segment is written to its file (pwrite): the sender maps none of
+    its pages, only the receiver does. The first reuse of the segment maps its pages
+    here in one madvise before copying; later reuses find them mapped and ask nothing."""
     from procspawn.sharing.segments import _ndarray
 
     calls = []
-    monkeypatch.setattr(_ndarray, "populate", lambda address, length: calls.append(length))
+    real = _ndarray.populate
+    monkeypatch.setattr(
+        _ndarray, "populate", lambda address, length: (calls.append(length), real(address, length))
+    )
     array = np.arange(1 << 19, dtype=np.float64)  # 4 MiB
     ends = mp.Pipe()
     try:
-        for _ in range(4):
-            ends[1].send(array)
-            assert np.array_equal(ends[0].recv(), array)  # dropped: its segment comes back
+        resident = []
+        for i in range(4):
+            ends[1].send(array + i)
+            assert np.array_equal(ends[0].recv(), array + i)  # dropped: its segment comes back
+            assert _recycled_maps() >= array.nbytes  # kept for the next send
+            resident.append(_recycled_resident_kib())
     finally:
         for end in ends:
             end.close()
-    assert calls == [array.nbytes]
+    assert resident[0] == 0  # written through the file: nothing mapped by the sender
+    assert all(kib >= array.nbytes >> 10 for kib in resident[1:])  # the first reuse mapped it
+    assert calls == [array.nbytes]  # once, at the first reuse
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(1 << 18, dtype=np.float64),  # 2 MiB, C order
+        lambda: np.asfortranarray(np.arange(1 << 18, dtype=np.int32).reshape(512, 512)),
+        lambda: np.arange(1 << 20, dtype=np.int16).reshape(1024, 1024)[:, ::2],  # strided
+        lambda: np.zeros(1 << 16, dtype=[("a", "<i4"), ("b", ">f8"), ("c", "S5")]),
+        lambda: np.arange(1 << 18).astype("datetime64[ms]"),  # no buffer protocol export
+        lambda: np.arange(1 << 18, dtype=">i8"),  # not the machine's byte order
+    ],
+    ids=["c", "fortran", "strided", "structured", "datetime", "big-endian"],
+)
+def test_copies_into_new_segments_are_exact_for_any_layout_and_dtype(recycling, make):
+    source = make()
+    if source.dtype.names:
+        source["a"] = np.arange(len(source))
+        source["b"] = -np.arange(len(source)) / 3
+        source["c"] = b"abcde"
+    shared = sharing.share_memory_(source)
+    assert sharing.is_shared(shared) and shared.dtype == source.dtype
+    assert shared.flags.f_contiguous == source.flags.f_contiguous
+    assert np.array_equal(shared, source)
+    ends = mp.Pipe()
+    try:
+        ends[1].send(source)  # the send's own copy, into a recycled segment
+        assert np.array_equal(ends[0].recv(), source)
+    finally:
+        for end in ends:
+            end.close()
+
+
+def test_a_segment_whose_file_cannot_be_written_is_filled_through_its_mapping():
+    """A strategy that keeps a read-only descriptor (pwrite gets EBADF): the copy goes
+    through the mapping instead, and is exact."""
+    from procspawn.sharing.segments import _strategy
+    from procspawn.sharing.segments._segment import Segment, map_fd
+
+    class ReadOnlyFd(_strategy.SharingStrategy):
+        def allocate(self, nbytes):
+            length = max(nbytes, 1)
+            fd = os.memfd_create("procspawn-test-readonly", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, length)
+                st = os.fstat(fd)
+                address = map_fd(fd, length)
+                kept = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+            finally:
+                os.close(fd)
+            return Segment(
+                address=address,
+                size=nbytes,
+                strategy=self.name,
+                key=(st.st_dev, st.st_ino),
+                map_address=address,
+                map_length=length,
+                fd=kept,  # the one it keeps is read-only
+            )
+
+        def reduce(self, segment):
+            raise AssertionError("not sent in this test")
+
+        def rebuild(self, handle):
+            raise AssertionError("not sent in this test")
+
+    sharing.register_strategy("readonly-fd", ReadOnlyFd())
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("readonly-fd")
+    try:
+        source = np.arange(1 << 18, dtype=np.float64)
+        shared = sharing.share_memory_(source)
+        assert np.array_equal(shared, source)
+        del shared
+    finally:
+        mp.set_sharing_strategy(previous)

@@ -266,6 +266,14 @@ class FileSystemStrategy(SharingStrategy):
         recycled = _recycled.take(nbytes, KEPT_NAMES)
         return recycled if recycled is not None else self.allocate(nbytes)
 
+    def open_file(self, segment: Segment) -> int:
+        if segment.name is None:
+            return -1
+        try:
+            return open_segment(segment.name)
+        except OSError:
+            return -1
+
     def reduce(self, segment: Segment) -> Any:
         state = _message.sending()
         if segment.name is None:  # its name was gone when it was received: keeps its fd

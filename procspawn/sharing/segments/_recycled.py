@@ -133,7 +133,7 @@ class Kind:
 class Kept:
     """One recycled segment: its mapping, and what its strategy needs to know it by."""
 
-    __slots__ = ("kind", "address", "length", "header", "fd", "key", "name", "since")
+    __slots__ = ("kind", "address", "length", "header", "fd", "key", "name", "since", "mapped")
 
     def __init__(
         self,
@@ -148,6 +148,7 @@ class Kept:
         self.kind, self.address, self.length, self.header = kind, address, length, header
         self.key, self.fd, self.name = key, fd, name
         self.since = 0.0
+        self.mapped = False  # its pages are mapped here (a pwrite fills a new one unmapped)
 
     @property
     def capacity(self) -> int:
@@ -221,6 +222,17 @@ def _segment(kept: Kept) -> Segment:
     )
     _out[kept.address] = kept
     return segment
+
+
+def map_before_copy(segment: Segment) -> bool:
+    """Whether a copy into ``segment``, a reused recycled segment, should map its pages
+    first: they are in the file but were never mapped here (a pwrite filled it when it
+    was new). From then on they stay mapped."""
+    kept = _out.get(segment.address - segment.header)
+    if kept is None or kept.mapped:
+        return False
+    kept.mapped = True
+    return True
 
 
 def is_recycled(segment: Segment) -> bool:

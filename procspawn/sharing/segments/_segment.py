@@ -167,6 +167,7 @@ class Segment:
         key: the segment's identity across processes (memfd inode, file name, ...).
         fd: a descriptor the segment keeps open (file_descriptor), or -1.
         name: the file name of a named segment (file_system), or None.
+        header: the file offset of the usable bytes (every mapping starts at offset 0).
     """
 
     __slots__ = (
@@ -179,6 +180,7 @@ class Segment:
         "view",
         "reused",
         "recycled",
+        "header",
         "__array_interface__",
         "_finalizer",
         "__weakref__",
@@ -207,6 +209,8 @@ class Segment:
         self.view: Any = None  # a weak reference to a uint8 array over it (see _reductions)
         self.reused = False  # a recycled segment handed out again: its pages are in place
         self.recycled = recycle is not None  # made to carry copies, kept for the next send
+        # every mapping starts at the file's offset 0: the usable bytes start here in the file
+        self.header = address - map_address
         # np.asarray(segment): a uint8 array over the usable bytes whose .base is the segment
         self.__array_interface__ = {
             "shape": (size,),

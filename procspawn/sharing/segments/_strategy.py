@@ -106,6 +106,20 @@ class SharingStrategy:
         """
         return self.allocate(nbytes)
 
+    def open_file(self, segment: Segment) -> int:
+        """A new descriptor of ``segment``'s memory, open for writing, for a copy into a
+        new segment that writes the file (``pwrite``) instead of going through the
+        mapping; -1 (the default) when there is none. Not asked of a segment that keeps a
+        descriptor (``segment.fd``): that one is written.
+
+        Args:
+            segment: a segment this strategy made in this process.
+
+        Returns:
+            A descriptor the caller closes, or -1.
+        """
+        return -1
+
     def reduce(self, segment: Segment) -> object:
         """Turn a Segment into a picklable handle, while a message is being pickled.
 
@@ -296,6 +310,13 @@ def current() -> SharingStrategy:
     strategy = strategy_named(get_sharing_strategy())
     assert strategy is not None
     return strategy
+
+
+def open_file(segment: Segment) -> int:
+    """A new descriptor to write ``segment``'s memory through, from the strategy that made
+    it, or -1."""
+    strategy = strategy_named(segment.strategy)
+    return strategy.open_file(segment) if strategy is not None else -1
 
 
 def allocate(nbytes: int, for_copy: bool = False) -> Segment:

@@ -116,6 +116,7 @@ class OutputForwarder:
         self._logs: dict[int, IO[bytes]] = {}
         self._dangling: _Stream | None = None  # prefix mode: whose partial line is shown last
         self._thread: threading.Thread | None = None
+        self._held = False  # pipes are made for children being started: no thread yet
         self._wake_r = self._wake_w = -1
         self._stopping = False
         self._closed = False
@@ -147,7 +148,7 @@ class OutputForwarder:
             read_end, write_end = os.pipe()
             try:
                 os.set_blocking(read_end, False)  # only our end: the child's stays blocking
-                if self._thread is None:
+                if self._thread is None and not self._held:
                     self._start_thread()
             except BaseException:
                 os.close(read_end)
@@ -156,8 +157,23 @@ class OutputForwarder:
             entry = _Stream(rank, stream, read_end, show, self._prefix)
             self._by_rank.setdefault(rank, []).append(entry)
             self._pending.append(entry)
-            self._wake()  # under the lock: close() cannot close the wake pipe meanwhile
+            if self._thread is not None:
+                self._wake()  # under the lock: close() cannot close the wake pipe meanwhile
         return write_end
+
+    def hold(self) -> None:
+        """Pipes made from now on are read from ``release()`` on: a burst of children
+        starts without waiting for the forwarding thread to start first (a pipe holds
+        what a child writes meanwhile, 64 KiB before the child waits)."""
+        with self._cond:
+            self._held = True
+
+    def release(self) -> None:
+        """Start forwarding what ``hold()`` held back (any thread may call it)."""
+        with self._cond:
+            self._held = False
+            if self._thread is None and self._pending and not (self._closed or self._stopping):
+                self._start_thread()
 
     def wait_eof(self, rank: int, timeout: float) -> bool:
         """Wait until every pipe of ``rank`` reached EOF and was fully forwarded.

@@ -475,3 +475,15 @@ def test_a_remote_traceback_shows_the_main_script_s_file_and_lines(tmp_path, how
     assert "<dynamic-code>" not in result.stderr
     assert f'File "{script}", line 7, in helper\n    return 1 / x' in result.stderr, result.stderr
     assert f'File "{script}", line 11, in work\n    return helper(rank)' in result.stderr
+
+
+def test_the_oom_kill_count_is_the_kernels():
+    """What a SIGKILL's verdict compares: /proc/vmstat's oom_kill, read in one call."""
+    from procspawn.context._watch import oom_kills
+
+    with open("/proc/vmstat") as f:
+        fields = dict(line.split() for line in f if line.strip())
+    if "oom_kill" not in fields:
+        assert oom_kills() is None
+    else:
+        assert oom_kills() == int(fields["oom_kill"])

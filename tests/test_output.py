@@ -468,3 +468,41 @@ def test_prefix_output_and_stderr_pass_through(start_method):
     # without prefix_output: stdout is the parent's own, stderr passes through unchanged
     assert "out 0" in out_lines and "err 0" in err_lines
     assert out_lines[-1] == "parent done"
+
+
+def test_pipes_made_while_held_are_forwarded_from_release(monkeypatch):
+    """hold(): children start without the forwarding thread; what they wrote meanwhile
+    waits in their pipes and is forwarded, whole and in order, once release() starts it."""
+    out = _sink(monkeypatch)
+    fw = OutputForwarder(prefix=True)
+    fw.hold()
+    try:
+        w0, w1 = fw.pipe(0, "stdout"), fw.pipe(1, "stdout")
+        assert not any(t.name == "procspawn-output" and t.ident for t in threading.enumerate())
+        _write(w0, b"before release\n")
+        _write(w1, b"x" * 1000 + b"\n")
+        time.sleep(0.05)
+        assert out.text == ""  # nobody reads yet
+        fw.release()
+        _write(w0, b"after release\n")
+        for fd in (w0, w1):
+            os.close(fd)
+        assert fw.wait_eof(0, PATIENCE) and fw.wait_eof(1, PATIENCE)
+        assert sorted(out.text.splitlines()) == [
+            "[rank 0] after release",
+            "[rank 0] before release",
+            "[rank 1] " + "x" * 1000,
+        ]
+        assert out.text.index("before release") < out.text.index("after release")
+    finally:
+        fw.close(timeout=PATIENCE)
+
+
+def test_a_forwarder_closed_while_held_leaves_nothing_open():
+    fw = OutputForwarder()
+    fw.hold()
+    w = fw.pipe(0, "stderr")
+    os.close(w)
+    fw.close(timeout=PATIENCE)
+    fw.release()  # after close: starts nothing
+    assert not any(t.name == "procspawn-output" for t in threading.enumerate())

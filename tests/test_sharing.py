@@ -831,3 +831,37 @@ def test_stdlib_queue_sender_gone_is_a_clear_error(start_method):
     assert "procspawn's own channels" in msg
     q.close()
     q.join_thread()
+
+
+def test_numpy_reducers_load_with_the_first_array_and_share_every_array_of_it():
+    """A message without arrays imports nothing of the array path (a pool's start-up and
+    its first plain calls); the first message with arrays loads the NumPy reducers in the
+    middle of pickling, and every array of it goes through shared memory, by the C
+    pickler (cloudpickle is never imported for plain data)."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        import numpy as np
+        from procspawn import sharing
+        from procspawn.sharing.wire import _pickler
+
+        REDUCERS = "procspawn.sharing.wire._reductions"
+        message = _pickler.dumps({"plain": (1, 2.5, "three", [b"four"])})
+        message.close()
+        assert REDUCERS not in sys.modules, "a plain message loaded the array reducers"
+
+        arrays = [np.arange(100_000.0), np.arange(200_000), np.ones((300, 400))]
+        message = _pickler.dumps({"first": arrays[0], "more": arrays[1:]})
+        assert REDUCERS in sys.modules
+        assert "cloudpickle" not in sys.modules, "plain data with arrays went by cloudpickle"
+        assert len(message.fds) == 3, message.fds  # one segment per array
+        back = _pickler.loads(message.data, [os.dup(fd) for fd in message.fds])
+        message.close()
+        arrived = [back["first"], *back["more"]]
+        assert all(sharing.is_shared(a) for a in arrived)
+        assert all(np.array_equal(a, b) for a, b in zip(arrived, arrays))
+        print("ok")
+        """
+    )
+    result = run_script(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

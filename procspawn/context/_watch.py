@@ -83,10 +83,14 @@ def oom_kills() -> int | None:
     """How many processes the kernel's out-of-memory killer has killed since boot, on the
     whole machine (``oom_kill`` in /proc/vmstat, Linux >= 4.13), or None."""
     try:
-        with open("/proc/vmstat", "rb") as f:
-            for line in f:
-                if line.startswith(b"oom_kill "):
-                    return int(line.split()[1])
+        fd = os.open("/proc/vmstat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = b"\n" + os.read(fd, 1 << 16)  # about 4 KiB, read whole by the kernel
+        finally:
+            os.close(fd)
+        at = data.find(b"\noom_kill ")
+        if at >= 0:
+            return int(data[at + 10 : data.index(b"\n", at + 10)])
     except (OSError, ValueError):
         pass
     return None

@@ -195,7 +195,14 @@ class _Worker:
         "oom_kills",
     )
 
-    def __init__(self, slot: int, proc: BaseProcess, sock: socket.socket, budget: int | None):
+    def __init__(
+        self,
+        slot: int,
+        proc: BaseProcess,
+        sock: socket.socket,
+        budget: int | None,
+        oom_count: int | None,
+    ):
         self.slot = slot
         self.proc = proc
         self.pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
@@ -218,7 +225,7 @@ class _Worker:
         # (task, error): procspawn stops it on purpose because of its running task (a
         # timeout, kill()); that task fails with the error unless it answered first
         self.verdict: tuple[Task, BaseException] | None = None
-        self.oom_kills = oom_kills()  # the kernel's count as it started (see describe_exit)
+        self.oom_kills = oom_count  # the kernel's count as it started (see describe_exit)
 
 
 class Dispatcher:
@@ -299,9 +306,13 @@ class Dispatcher:
         self._payload = StartupMessage(message, deferred)
         self._thread: threading.Thread | None = None
         self._grace = default_grace_period()
+        # the first workers' output is read once the dispatcher thread runs (it starts
+        # the forwarding thread): the caller does not wait for two threads to start
+        self._output.hold()
         try:
+            count = oom_kills()  # once for the first workers: they start together
             for _ in range(0 if self.lazy else processes):
-                self._start_worker()
+                self._start_worker(count)
         except BaseException:
             self._stop_all(0.0)
             for worker in list(self._workers.values()):
@@ -484,6 +495,7 @@ class Dispatcher:
 
     def _run(self) -> None:
         try:
+            self._output.release()  # see __init__
             while True:
                 self._take_requests()
                 if self.state == STOPPING:
@@ -566,8 +578,12 @@ class Dispatcher:
 
     # -- starting and stopping workers ------------------------------------------------------
 
-    def _start_worker(self) -> _Worker:
+    def _start_worker(self, oom_count: int | None = None) -> _Worker:
+        """Start a worker; ``oom_count``: the OOM killer's count, read just before (else
+        it is read here)."""
         slot = next(self._slots)
+        if oom_count is None:
+            oom_count = oom_kills()
         main_functions = _main_functions() if self.start_method == "fork" else None
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -593,7 +609,7 @@ class Dispatcher:
         finally:
             child_end.close()
         parent_end.setblocking(False)
-        worker = _Worker(slot, proc, parent_end, self.max_tasks)
+        worker = _Worker(slot, proc, parent_end, self.max_tasks, oom_count)
         if self.start_method == "fork":
             worker.main_functions = main_functions
         self._workers[slot] = worker

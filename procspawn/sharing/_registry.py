@@ -64,11 +64,15 @@ def dispatch_table() -> dict[type, Callable[[Any], Any]]:
     return {**copyreg.dispatch_table, **reducers}
 
 
-def load_plugins() -> None:
-    """Register the reducers of every plug-in whose third-party module is imported."""
+def load_plugins() -> bool:
+    """Register the reducers of every plug-in whose third-party module is imported;
+    True when one was loaded now."""
     if len(_loaded) == len(PLUGINS):
-        return
+        return False
+    loaded = False
     for module, plugin in PLUGINS.items():
         if module not in _loaded and module in sys.modules:
             _loaded.add(module)
             importlib.import_module(plugin, __package__)
+            loaded = True
+    return loaded

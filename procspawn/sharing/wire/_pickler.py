@@ -53,6 +53,8 @@ class _PlainPickler(pickle.Pickler):
         if np is not None and (t is np.ndarray or isinstance(obj, np.generic)):
             if obj.dtype.hasobject:
                 raise _NotPlain
+            if _registry.load_plugins():  # the first array: its reducers join the table
+                self.dispatch_table.update(_registry.reducers)
             return NotImplemented  # procspawn's reducer (the dispatch table) or numpy's
         if t in _NAMED_TYPES and _by_reference(obj):
             return NotImplemented  # by name, as cloudpickle would
@@ -307,7 +309,8 @@ def dumps(obj: object, deferred: list[object] | None = None) -> Message:
         # ... send message.data and message.fds (SCM_RIGHTS), then:
         message.close()
     """
-    _registry.load_plugins()
+    # The plug-ins' reducers (NumPy's) are loaded when the C pickler meets their first
+    # object (a message without arrays imports nothing); cloudpickle gets them up front.
     if deferred is None and not _plain_types_overridden():
         # Plain data, arrays and functions by name: the C pickler, tried first (it
         # refuses the rest before doing much).
@@ -331,6 +334,7 @@ def dumps(obj: object, deferred: list[object] | None = None) -> Message:
         kind = _NOT_PLAIN
     else:
         kind = _is_plain(obj) if deferred is None else _NOT_PLAIN
+    _registry.load_plugins()
     if kind == _PLAIN:  # nothing to share, nothing to reduce: the stdlib pickle as it is
         return Message(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
     state = SendState()

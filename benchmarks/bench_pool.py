@@ -31,8 +31,12 @@ pebble, procspawn executor) as ``list(ex.map(f, items, chunksize=c))`` (pebble:
 Every (library, case) run is a fresh interpreter: this file run again with a hidden
 ``--child`` argument, which imports the library (at the top of the main module, as a
 user's script does, so spawn workers that re-run the main module import it too), makes
-the measurement and prints it as JSON. ``--repeats`` runs (default 5, the rows taken in
-turn, run by run); the table gives the median. Cases, one row per library:
+the measurement and prints it as JSON. procspawn's bytecode is compiled first, as a
+wheel install has it and as the peers installed from wheels have theirs (a checkout
+installed in editable mode under ``PYTHONDONTWRITEBYTECODE=1`` would otherwise compile
+its modules in every fresh interpreter: about 6 ms of a pool's start-up here).
+``--repeats`` runs (default 5, the rows taken in turn, run by run); the table gives
+the median. Cases, one row per library:
 
 * ``start-up + first result (ms)`` -- create the pool, get one ``inc(1)`` (``apply`` /
   ``submit(...).result()`` / a one-item call), shut down: ``terminate(); join()`` for the
@@ -791,10 +795,13 @@ def main() -> None:
     problems = {lib.key: library_problem(lib) for lib in LIBRARIES if lib.optional}
     libraries = [lib for lib in LIBRARIES if problems.get(lib.key) is None]
     rows = plan(cases, libraries, sizes)
+    compiled = common.compile_package("procspawn")
     started = time.monotonic()
     shm_notes = measure(rows, method, args.quick, repeats)
 
     notes = [f"skipped {BY_KEY[k].label}: {p}" for k, p in problems.items() if p is not None]
+    if compiled:
+        notes.append(compiled)
     for lib in libraries:
         used = effective_start_method(lib, method)
         if used != method:

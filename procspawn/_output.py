@@ -118,6 +118,7 @@ class OutputForwarder:
         self._thread: threading.Thread | None = None
         self._held = False  # pipes are made for children being started: no thread yet
         self._wake_r = self._wake_w = -1
+        self._selector: selectors.BaseSelector | None = None  # made with the first pipe
         self._stopping = False
         self._closed = False
 
@@ -148,6 +149,7 @@ class OutputForwarder:
             read_end, write_end = os.pipe()
             try:
                 os.set_blocking(read_end, False)  # only our end: the child's stays blocking
+                self._prepare()
                 if self._thread is None and not self._held:
                     self._start_thread()
             except BaseException:
@@ -233,6 +235,9 @@ class OutputForwarder:
                 if fd >= 0:
                     os.close(fd)
             self._wake_r = self._wake_w = -1
+            if thread is None and self._selector is not None:
+                self._selector.close()  # never used: no thread ran (else it closed it)
+            self._selector = None
         for entry in leftovers:  # only pipes the thread never got to (none normally)
             entry.done = True
             try:
@@ -251,19 +256,32 @@ class OutputForwarder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start_thread(self) -> None:
+    def _prepare(self) -> None:
+        """Make the thread's selector and wake-up pipe, at once, whenever the thread
+        starts (with ``_cond`` held): every descriptor of the forwarder exists from its
+        first pipe on."""
+        if self._selector is not None:
+            return
         wake_r, wake_w = os.pipe()
         try:
             os.set_blocking(wake_r, False)
             os.set_blocking(wake_w, False)
-            thread = threading.Thread(target=self._run, name="procspawn-output", daemon=True)
-            self._wake_r, self._wake_w = wake_r, wake_w
-            thread.start()
+            selector = selectors.DefaultSelector()  # epoll: fds may be >= 1024
+            try:
+                selector.register(wake_r, selectors.EVENT_READ, None)
+            except BaseException:
+                selector.close()
+                raise
         except BaseException:
             os.close(wake_r)
             os.close(wake_w)
-            self._wake_r = self._wake_w = -1
             raise
+        self._wake_r, self._wake_w, self._selector = wake_r, wake_w, selector
+
+    def _start_thread(self) -> None:
+        """Start the thread (with ``_cond`` held, after ``_prepare``)."""
+        thread = threading.Thread(target=self._run, name="procspawn-output", daemon=True)
+        thread.start()
         self._thread = thread
 
     def _wake(self) -> None:
@@ -279,8 +297,9 @@ class OutputForwarder:
             signal.pthread_sigmask(signal.SIG_BLOCK, _MAIN_THREAD_SIGNALS)
         except (OSError, ValueError):
             pass
-        with selectors.DefaultSelector() as selector:  # epoll: fds may be >= 1024
-            selector.register(self._wake_r, selectors.EVENT_READ, None)
+        selector = self._selector
+        assert selector is not None  # made by _prepare before the thread starts
+        try:
             while True:
                 try:
                     if self._step(selector):
@@ -291,6 +310,8 @@ class OutputForwarder:
                 self._finish(selector)
             except Exception:
                 _log.exception("procspawn output forwarding failed while closing")
+        finally:
+            selector.close()
 
     def _step(self, selector: selectors.BaseSelector) -> bool:
         """One round: take new pipes, read what is ready, flush stale partial lines."""

@@ -303,16 +303,23 @@ class Dispatcher:
         # Queues, Locks in initargs only pickle as a process starts (deferred); with no
         # initializer the payload is plain data, pickled without cloudpickle
         message = _pickler.dumps(payload, deferred=deferred if initializer is not None else None)
-        self._payload = StartupMessage(message, deferred)
+        # plain data without an initializer: a forked worker takes it as it inherits it
+        self._payload = (
+            StartupMessage(message, deferred)
+            if initializer is not None
+            else StartupMessage(message, deferred, value=payload)
+        )
         self._thread: threading.Thread | None = None
         self._grace = default_grace_period()
         # the first workers' output is read once the dispatcher thread runs (it starts
         # the forwarding thread): the caller does not wait for two threads to start
         self._output.hold()
         try:
-            count = oom_kills()  # once for the first workers: they start together
+            # read once for the first workers, which start together
+            count = oom_kills()
+            functions = _main_functions() if start_method == "fork" else None
             for _ in range(0 if self.lazy else processes):
-                self._start_worker(count)
+                self._start_worker(count, functions)
         except BaseException:
             self._stop_all(0.0)
             for worker in list(self._workers.values()):
@@ -578,13 +585,18 @@ class Dispatcher:
 
     # -- starting and stopping workers ------------------------------------------------------
 
-    def _start_worker(self, oom_count: int | None = None) -> _Worker:
-        """Start a worker; ``oom_count``: the OOM killer's count, read just before (else
-        it is read here)."""
+    def _start_worker(
+        self,
+        oom_count: int | None = None,
+        main_functions: dict[str, weakref.ref[Any]] | None = None,
+    ) -> _Worker:
+        """Start a worker; ``oom_count`` and ``main_functions`` (fork): the OOM killer's
+        count and ``__main__``'s functions, when read just before (else read here)."""
         slot = next(self._slots)
         if oom_count is None:
             oom_count = oom_kills()
-        main_functions = _main_functions() if self.start_method == "fork" else None
+        if main_functions is None and self.start_method == "fork":
+            main_functions = _main_functions()
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             args = (

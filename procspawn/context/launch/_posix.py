@@ -18,6 +18,7 @@ import select
 import signal
 import sys
 import threading
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _POLL_INTERVAL = 0.5
@@ -29,16 +30,25 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _find_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# looked up once, here: a forked worker inherits it instead of loading libc again
+_prctl = _find_prctl()
+
+
 def set_parent_death_signal() -> bool:
     """Ask the kernel to SIGKILL us when our parent dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
+    if _prctl is None:
         return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        result: int = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        return result == 0
-    except (OSError, AttributeError):
-        return False
+    result: int = _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return result == 0
 
 
 def guard_parent(parent_pid: int, use_death_signal: bool) -> None:

@@ -27,10 +27,15 @@ from ..wire import _pickler
 class StartupMessage:
     """A pickled message plus the objects that only pickle at process start."""
 
-    def __init__(self, message: _message.Message, deferred: list[Any]) -> None:
+    _NONE = object()
+
+    def __init__(self, message: _message.Message, deferred: list[Any], value: Any = _NONE) -> None:
         self.message = message
         self.deferred = deferred
         self.tree = _tree.tree_address()
+        # plain data the message was made from: a forked child that inherits this object
+        # takes it as it is, without unpickling the message
+        self.value = value
 
     def __reduce__(self) -> tuple[Callable[..., _Received], tuple[Any, ...]]:
         from multiprocessing.reduction import DupFd
@@ -41,6 +46,8 @@ class StartupMessage:
     def load(self) -> Any:
         """Unpickle in the child (fork: the inherited object; loads gets duplicates)."""
         _tree.adopt_tree(self.tree)
+        if self.value is not StartupMessage._NONE:
+            return self.value
         return _pickler.loads(
             self.message.data, [os.dup(fd) for fd in self.message.fds], self.deferred
         )

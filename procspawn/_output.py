@@ -26,12 +26,16 @@ without paying for NumPy.
 
 from __future__ import annotations
 
+import array
 import codecs
+import contextlib
+import fcntl
 import logging
 import os
 import selectors
 import signal
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -75,6 +79,16 @@ class _Stream:
         self.done = False  # EOF reached (or given up) and everything forwarded
 
 
+def _unread(fd: int) -> int:
+    """How many bytes wait in pipe ``fd`` (FIONREAD); 1 when that cannot be told."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 1
+    return buf[0]
+
+
 class OutputForwarder:
     """Copies ranks' output pipes to this process' stdout/stderr as it arrives (optionally
     prefixed "[rank r] " per line, optionally also into one log file per rank), and keeps
@@ -110,13 +124,14 @@ class OutputForwarder:
         self._cond = threading.Condition()
         self._by_rank: dict[int, list[_Stream]] = {}
         self._pending: list[_Stream] = []  # made by pipe(), not yet known to the thread
-        self._open: dict[int, _Stream] = {}  # the thread's own: fd -> stream not at EOF
+        # fd -> stream not at EOF: the thread's own (before it runs, pipe() adds to it)
+        self._open: dict[int, _Stream] = {}
         self._tails: dict[int, bytearray] = {}
         self._tail_trimmed: set[int] = set()  # ranks whose tail starts mid-line
         self._logs: dict[int, IO[bytes]] = {}
         self._dangling: _Stream | None = None  # prefix mode: whose partial line is shown last
         self._thread: threading.Thread | None = None
-        self._held = False  # pipes are made for children being started: no thread yet
+        self._held = False  # no thread until release(): see hold()
         self._wake_r = self._wake_w = -1
         self._selector: selectors.BaseSelector | None = None  # made with the first pipe
         self._stopping = False
@@ -158,23 +173,61 @@ class OutputForwarder:
                 raise
             entry = _Stream(rank, stream, read_end, show, self._prefix)
             self._by_rank.setdefault(rank, []).append(entry)
-            self._pending.append(entry)
-            if self._thread is not None:
+            if self._thread is None:  # held: watched through fileno() until release()
+                assert self._selector is not None
+                self._selector.register(read_end, selectors.EVENT_READ, entry)
+                self._open[read_end] = entry
+            else:
+                self._pending.append(entry)
                 self._wake()  # under the lock: close() cannot close the wake pipe meanwhile
         return write_end
 
     def hold(self) -> None:
-        """Pipes made from now on are read from ``release()`` on: a burst of children
-        starts without waiting for the forwarding thread to start first (a pipe holds
-        what a child writes meanwhile, 64 KiB before the child waits)."""
+        """Start no thread for the pipes made from now on until ``release()``: their owner
+        watches ``fileno()``, readable once any of them is, and calls ``release()``
+        then (a pipe holds what its child writes meanwhile, 64 KiB before the child
+        waits). Children that never write cost no thread at all: ``close()`` reads
+        their pipes' ends itself. A pool's workers start so."""
         with self._cond:
             self._held = True
+            self._prepare()
+
+    def fileno(self) -> int:
+        """A descriptor readable once a pipe made while held has something to read (or
+        reached EOF); -1 when there is none to watch (then call ``release()`` at once)."""
+        with self._cond:
+            fileno = getattr(self._selector, "fileno", None)  # an epoll's (Linux)
+            return int(fileno()) if fileno is not None else -1
+
+    def settle_held(self) -> bool:
+        """For the owner, when ``fileno()`` turned readable: close here the held pipes
+        that reached EOF with nothing to forward (children that exited without a word);
+        True when one has something to forward (then call ``release()``)."""
+        with self._cond:  # re-entrant: _eof takes it too
+            if self._thread is not None or self._selector is None:
+                return False
+            speaks = False
+            for key, _ in self._selector.select(0):
+                entry = key.data
+                if entry is None:  # the wake-up pipe
+                    with contextlib.suppress(OSError):
+                        while os.read(self._wake_r, 4096):
+                            pass
+                elif _unread(entry.fd) > 0:
+                    speaks = True
+                else:
+                    self._read(entry, self._selector)  # EOF (or what came just now)
+            return speaks
 
     def release(self) -> None:
         """Start forwarding what ``hold()`` held back (any thread may call it)."""
         with self._cond:
             self._held = False
-            if self._thread is None and self._pending and not (self._closed or self._stopping):
+            if (
+                self._thread is None
+                and (self._pending or self._open)
+                and not (self._closed or self._stopping)
+            ):
                 self._start_thread()
 
     def wait_eof(self, rank: int, timeout: float) -> bool:
@@ -183,6 +236,7 @@ class OutputForwarder:
         Returns:
             True when it did (or ``rank`` has no pipe), False if ``timeout`` passed first.
         """
+        self.release()  # held pipes: the thread reads them now
         with self._cond:
             return self._cond.wait_for(
                 lambda: all(s.done for s in self._by_rank.get(rank, ())), max(0.0, timeout)
@@ -210,7 +264,9 @@ class OutputForwarder:
             if self._closed:
                 return
             thread = self._thread
-        if thread is not None:
+        if thread is None:
+            self._drain(timeout)  # held pipes that never spoke: read to their end here
+        else:
             with self._cond:
                 self._cond.wait_for(
                     lambda: all(s.done for ss in self._by_rank.values() for s in ss),
@@ -283,6 +339,33 @@ class OutputForwarder:
         thread = threading.Thread(target=self._run, name="procspawn-output", daemon=True)
         thread.start()
         self._thread = thread
+
+    def _drain(self, timeout: float) -> None:
+        """No thread ever ran: read the held pipes here until each reached EOF or
+        ``timeout`` passed, then what is left without waiting."""
+        with self._cond:
+            selector = self._selector
+            if selector is None:
+                return
+            self._stopping = True  # pipe() refuses from now on
+        deadline = time.monotonic() + max(0.0, timeout)
+        try:
+            while self._open:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                flush = self._flush_timeout()
+                for key, _ in selector.select(left if flush is None else min(left, flush)):
+                    if key.data is None:
+                        with contextlib.suppress(OSError):
+                            while os.read(self._wake_r, 4096):
+                                pass
+                    else:
+                        self._read(key.data, selector)
+                self._flush_stale(time.monotonic())
+            self._finish(selector)
+        except Exception:
+            _log.exception("procspawn output forwarding failed while closing")
 
     def _wake(self) -> None:
         try:

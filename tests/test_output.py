@@ -506,3 +506,107 @@ def test_a_forwarder_closed_while_held_leaves_nothing_open():
     fw.close(timeout=PATIENCE)
     fw.release()  # after close: starts nothing
     assert not any(t.name == "procspawn-output" for t in threading.enumerate())
+
+
+def test_held_pipes_that_never_spoke_are_drained_by_close_without_a_thread(monkeypatch):
+    """A held forwarder starts no thread for pipes nobody reads from: close() reads them
+    to their end itself, and forwards what they held, a partial last line included."""
+    out = _sink(monkeypatch)
+    fw = OutputForwarder(prefix=True)
+    fw.hold()
+    w0, w1 = fw.pipe(0, "stdout"), fw.pipe(1, "stdout")
+    _write(w1, b"late words\nno newline")
+    for fd in (w0, w1):
+        os.close(fd)
+    fw.close(timeout=PATIENCE)
+    assert not any(t.name == "procspawn-output" for t in threading.enumerate())
+    assert out.text == "[rank 1] late words\n[rank 1] no newline\n"
+
+
+def test_fileno_turns_readable_when_a_held_pipe_has_output():
+    import select
+
+    fw = OutputForwarder()
+    fw.hold()
+    try:
+        w = fw.pipe(0, "stderr")
+        poller = select.poll()
+        poller.register(fw.fileno(), select.POLLIN)
+        assert poller.poll(0) == []  # nothing written yet
+        _write(w, b"x\n")
+        assert poller.poll(PATIENCE * 1000)  # readable: the owner calls release() now
+        os.close(w)
+    finally:
+        fw.close(timeout=PATIENCE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_pool_starts_an_output_thread_only_once_a_worker_writes(start_method):
+    """Workers that print nothing cost no output thread, not even to see their pipes end
+    as they exit; the first line one prints starts it, and every line arrives in the
+    parent's stdout and stderr."""
+    code = textwrap.dedent(
+        f"""
+        import sys, threading, time
+        import procspawn
+
+        def quiet(x):
+            return x + 1
+
+        def talk(x):
+            print(f"out {{x}}", flush=True)
+            print(f"err {{x}}", file=sys.stderr, flush=True)
+            return x
+
+        def output_threads():
+            return [t for t in threading.enumerate() if t.name == "procspawn-output"]
+
+        started = []
+        real_start = threading.Thread.start
+
+        def start(self):
+            started.append(self.name)
+            real_start(self)
+
+        threading.Thread.start = start
+
+        if __name__ == "__main__":
+            with procspawn.Pool(2, context={start_method!r}) as pool:
+                assert pool.map(quiet, range(20)) == list(range(1, 21))
+            with procspawn.ProcessPoolExecutor(2, mp_context={start_method!r}) as ex:
+                assert ex.submit(quiet, 1).result() == 2
+            assert "procspawn-output" not in started, started  # not even to see them end
+            with procspawn.Pool(2, context={start_method!r}) as pool:
+                assert pool.map(quiet, range(20)) == list(range(1, 21))
+                time.sleep(0.2)
+                assert not output_threads(), "a quiet pool started an output thread"
+                assert pool.map(talk, range(4), chunksize=1) == list(range(4))
+                deadline = time.monotonic() + 20
+                while not output_threads() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert output_threads()
+            with procspawn.ProcessPoolExecutor(2, mp_context={start_method!r}) as ex:
+                assert ex.submit(talk, 9).result() == 9
+            print("parent done")
+        """
+    )
+    result = run_script(code, timeout=100)
+    assert result.returncode == 0, result.stderr
+    out_lines = result.stdout.splitlines()
+    err_lines = result.stderr.splitlines()
+    assert sorted(line for line in out_lines if line.startswith("out ")) == [
+        "out 0",
+        "out 1",
+        "out 2",
+        "out 3",
+        "out 9",
+    ]
+    assert sorted(line for line in err_lines if line.startswith("err ")) == [
+        "err 0",
+        "err 1",
+        "err 2",
+        "err 3",
+        "err 9",
+    ]
+    assert out_lines[-1] == "parent done"

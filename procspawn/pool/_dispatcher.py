@@ -311,8 +311,8 @@ class Dispatcher:
         )
         self._thread: threading.Thread | None = None
         self._grace = default_grace_period()
-        # the first workers' output is read once the dispatcher thread runs (it starts
-        # the forwarding thread): the caller does not wait for two threads to start
+        # no output thread until a worker writes something (the watcher sees it on
+        # output.fileno()): workers that print nothing cost none
         self._output.hold()
         try:
             # read once for the first workers, which start together
@@ -326,6 +326,10 @@ class Dispatcher:
                 self._forget_worker(worker)
             self._release()
             raise
+        if self._output.fileno() >= 0:
+            self._watcher.add(self._output.fileno(), ("output", None))
+        else:
+            self._output.release()
         self._thread = threading.Thread(
             target=self._run, name=f"procspawn-{name}-dispatcher", daemon=True
         )
@@ -502,7 +506,6 @@ class Dispatcher:
 
     def _run(self) -> None:
         try:
-            self._output.release()  # see __init__
             while True:
                 self._take_requests()
                 if self.state == STOPPING:
@@ -521,6 +524,13 @@ class Dispatcher:
                     self._hand_out()
                 for key, readable, writable in self._watcher.wait(self._timeout()):
                     kind, worker = key
+                    if kind == "output":
+                        # a worker wrote: the output thread takes over (pipes that only
+                        # reached their end, workers that exited quietly, close here)
+                        if self._output.settle_held():
+                            self._watcher.remove(self._output.fileno())
+                            self._output.release()
+                        continue
                     if worker.slot not in self._workers:
                         continue
                     if self.state == STOPPING:

@@ -313,9 +313,9 @@ class OutputForwarder:
         self.close()
 
     def _prepare(self) -> None:
-        """Make the thread's selector and wake-up pipe, at once, whenever the thread
-        starts (with ``_cond`` held): every descriptor of the forwarder exists from its
-        first pipe on."""
+        """Make the selector and the wake-up pipe (with ``_cond`` held), by ``hold()`` or
+        the first pipe, whenever the thread starts: every descriptor of the forwarder
+        exists from then on."""
         if self._selector is not None:
             return
         wake_r, wake_w = os.pipe()

@@ -236,7 +236,12 @@ class OutputForwarder:
         Returns:
             True when it did (or ``rank`` has no pipe), False if ``timeout`` passed first.
         """
-        self.release()  # held pipes: the thread reads them now
+        with self._cond:
+            if self._thread is None:
+                self.settle_held()  # held pipes that only reached their end close here
+            quiet = all(s.done for s in self._by_rank.get(rank, ()))
+        if not quiet:
+            self.release()  # something to read, or not at its end yet: the thread reads
         with self._cond:
             return self._cond.wait_for(
                 lambda: all(s.done for s in self._by_rank.get(rank, ())), max(0.0, timeout)

@@ -168,6 +168,43 @@ def test_executor_fails_every_pending_future_on_a_death():
             assert isinstance(f.exception(), mp.TerminatedWorkerError)
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+@pytest.mark.timeout(120)
+def test_a_broken_executor_fails_its_futures_before_it_stops_the_other_workers(tmp_path):
+    """The callers learn of the death first, as with the stdlib's executor: a future's
+    callback runs while the worker busy with another call is still alive (it is stopped
+    after, and reaped before shutdown returns)."""
+    path = str(tmp_path / "pid")
+    seen = {}
+    with mp.ProcessPoolExecutor(2, mp_context="fork") as ex:
+        busy = ex.submit(record_pid_and_sleep, path, 30.0)
+        deadline = time.monotonic() + DEADLINE
+        while not _read_text(path):
+            assert time.monotonic() < deadline, "the busy call never started"
+            time.sleep(0.01)
+        other = int(_read_text(path))
+
+        def on_done(future):
+            with open(f"/proc/{other}/stat") as f:
+                seen["state"] = f.read().rsplit(")", 1)[1].split()[0]
+
+        busy.add_done_callback(on_done)
+        doomed = ex.submit(die, "sigkill")
+        with pytest.raises(mp.TerminatedWorkerError):
+            doomed.result(DEADLINE)
+        with pytest.raises(mp.TerminatedWorkerError):
+            busy.result(DEADLINE)
+    assert seen["state"] in ("S", "R"), seen  # alive, sleeping in its call: not stopped yet
+    assert not os.path.exists(f"/proc/{other}")  # and reaped by shutdown
+
+
 @pytest.mark.timeout(90)
 def test_a_pool_of_one_survives_a_death_in_every_chunk():
     with mp.Pool(1, context="fork") as p:

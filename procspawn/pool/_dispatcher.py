@@ -27,6 +27,7 @@ import copy
 import errno
 import itertools
 import os
+import select
 import signal
 import socket
 import sys
@@ -143,6 +144,13 @@ def _main_name(worker: _Worker, fn: Any) -> Any:
         if ref is not None and ref() is fn:
             return (_worker.MAIN, name)
     return fn
+
+
+def _has_exited(worker: _Worker) -> bool:
+    """Whether ``worker``'s exit handle says it is gone, without waiting."""
+    poller = select.poll()
+    poller.register(worker.exit_fd, select.POLLIN)
+    return any(events & (select.POLLIN | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def _name_of(fn: Any) -> str:
@@ -542,6 +550,10 @@ class Dispatcher:
                         self._flush(worker)
                     if readable:
                         self._read(worker)
+                        # the end of its channel comes with its death: no second round
+                        if worker.slot in self._workers and worker.reader.eof:
+                            if _has_exited(worker):
+                                self._on_exit(worker)
                 self._on_timers()
         except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
             _log.exception("procspawn: a pool dispatcher thread failed")
@@ -737,22 +749,31 @@ class Dispatcher:
         self._fail_all(error)
 
     def _break(self, error: BaseException) -> None:
-        """The pool cannot go on: fail every task with ``error`` and stop every worker."""
+        """The pool cannot go on: fail every task with ``error`` and stop every worker.
+        The callers learn it first (as the stdlib's executor tells them before it stops
+        its workers); the results of tasks that finish meanwhile are not taken."""
         with self._lock:
             if self.broken is None:
                 self.broken = error
+        self._fail_tasks(error)
+        time.sleep(0)  # the GIL to a caller woken by the failure, before the stopping
         self._stop_all(0.0)
         self._fail_all(error)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """The workers are stopped: fail every task they held and every pending one."""
+    def _fail_tasks(self, error: BaseException) -> None:
+        """Fail every task the workers hold and every pending one with ``error``."""
         for worker in list(self._workers.values()):
             tasks = list(worker.tasks)
             worker.tasks.clear()
             for task in tasks:
                 _settle(task, False, error)
-            self._forget_worker(worker)
         self._drop_pending(lambda task: True, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The workers are stopped: fail every task they held and every pending one."""
+        self._fail_tasks(error)
+        for worker in list(self._workers.values()):
+            self._forget_worker(worker)
         self.state = DONE
 
     def _drop_pending(
@@ -1015,7 +1036,9 @@ class Dispatcher:
             if worker.slot not in self._workers:
                 return
         proc = worker.proc
-        proc.join(5.0)  # the exit status (under forkserver it comes from the server)
+        # the exit status: a forked worker is a zombie now (its pidfd said so); under
+        # forkserver it comes from the server, which is not waited for without limit
+        proc.join(None if self.start_method == "fork" else 5.0)
         code = proc.exitcode
         if code is None:  # cannot happen short of a kernel oddity: make it true
             send_signal(proc, signal.SIGKILL)

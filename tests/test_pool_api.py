@@ -10,13 +10,14 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from multiprocessing.pool import MaybeEncodingError, RemoteTraceback
 
 import numpy as np
 import pytest
-from _helpers import ROOT, run_file, script_env
+from _helpers import ROOT, run_file, run_script, script_env
 from _pool_workers import (
     add,
     array_sum,
@@ -533,3 +534,38 @@ def test_a_collected_imap_iterator_or_pool_never_waits_for_a_lock_its_thread_hol
         # and what the finalizer asked for happens: the workers end
         assert dispatcher.join(DEADLINE), "the dropped pool's dispatcher did not end"
         assert not [w for w in dispatcher.workers() if w.is_alive()]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_maps_over_ranges_send_range_chunks_and_give_every_value(method):
+    """A range is mapped in chunks that are ranges themselves (a few bytes on the wire):
+    every value, in order, whatever the step, for the Pool and the executor."""
+    ranges = [range(1000), range(3, 300, 7), range(50, -50, -3), range(0), range(5, 6)]
+    with mp.Pool(2, context=method) as p:
+        for r in ranges:
+            assert p.map(square, r) == [x * x for x in r]
+            assert p.map(square, r, chunksize=4) == [x * x for x in r]
+            assert p.map_async(square, r, chunksize=1).get(DEADLINE) == [x * x for x in r]
+        assert p.starmap(add, [(x, x) for x in range(5)]) == [0, 2, 4, 6, 8]
+    with mp.ProcessPoolExecutor(2, mp_context=method) as ex:
+        for r in ranges:
+            assert list(ex.map(square, r, chunksize=9)) == [x * x for x in r]
+        assert list(ex.map(add, range(4), range(10, 14))) == [10, 12, 14, 16]
+
+
+def test_a_range_chunk_is_plain_data_of_a_few_bytes():
+    code = textwrap.dedent(
+        """
+        import sys
+        from procspawn.sharing.wire import _pickler
+
+        message = _pickler.dumps((7, None, 1, range(10**6, 2 * 10**6, 3)))
+        assert len(message.data) < 100, len(message.data)
+        assert "cloudpickle" not in sys.modules
+        assert _pickler.loads(message.data, []) == (7, None, 1, range(10**6, 2 * 10**6, 3))
+        print("ok")
+        """
+    )
+    result = run_script(code)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

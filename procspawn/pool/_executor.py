@@ -324,13 +324,19 @@ class ProcessPoolExecutor(_cf.Executor):
             raise ValueError("chunksize must be >= 1.")
         shown = as_progress(progress)
         end_time = None if timeout is None else timeout + time.monotonic()
-        items = zip(*iterables, strict=False)
-        chunks: list[list[tuple[Any, ...]]] = []
-        while True:
-            chunk = list(itertools.islice(items, chunksize))
-            if not chunk:
-                break
-            chunks.append(chunk)
+        chunks: list[Any] = []
+        kind = _worker.STARMAP
+        if len(iterables) == 1 and type(iterables[0]) is range:
+            # a range stays one: its chunks are ranges, a few bytes each on the wire
+            kind, whole = _worker.MAP, iterables[0]
+            chunks = [whole[i : i + chunksize] for i in range(0, len(whole), chunksize)]
+        else:
+            items = zip(*iterables, strict=False)
+            while True:
+                chunk = list(itertools.islice(items, chunksize))
+                if not chunk:
+                    break
+                chunks.append(chunk)
         futures: list[_cf.Future[list[_T]]] = [_cf.Future() for _ in chunks]
         if shown is not None:
             shown._count_here(sum(len(chunk) for chunk in chunks))
@@ -338,9 +344,7 @@ class ProcessPoolExecutor(_cf.Executor):
             self._check_open()
             if chunks:
                 job = _ChunksJob(fn, futures, shown)
-                self._dispatcher.submit(
-                    Task(job, n, _worker.STARMAP, chunk) for n, chunk in enumerate(chunks)
-                )
+                self._dispatcher.submit(Task(job, n, kind, chunk) for n, chunk in enumerate(chunks))
         return _results(list(futures), end_time, shown)
 
     @ctrl_c_in_caller

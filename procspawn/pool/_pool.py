@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from multiprocessing import TimeoutError as _MpTimeoutError
 from multiprocessing.context import BaseContext
 from typing import Any, Generic, NoReturn, TypeVar
@@ -754,7 +754,12 @@ class Pool:
     ) -> MapResult[Any]:
         self._check_running()
         shown = as_progress(progress)
-        items = iterable if isinstance(iterable, list) else list(iterable)
+        # a range stays one: its chunks are ranges, a few bytes each on the wire
+        items: Sequence[Any] = (
+            iterable
+            if isinstance(iterable, list) or (type(iterable) is range and kind == _worker.MAP)
+            else list(iterable)
+        )
         if chunksize is None:
             chunksize, extra = divmod(len(items), self._processes * 4)
             if extra:

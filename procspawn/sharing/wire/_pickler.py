@@ -81,7 +81,7 @@ def _plain_dumps(obj: Any) -> bytes:
     return data
 
 
-_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray)
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, range)
 _PLAIN_CONTAINERS = (tuple, list, set, frozenset)
 _PLAIN_LIMIT = 10_000
 _PLAIN_TYPES = (*_PLAIN_LEAVES, *_PLAIN_CONTAINERS, dict)

@@ -32,6 +32,7 @@ from ._popen import pickle_for_child
 PRELOAD = [
     "cloudpickle",  # a function of the main script travels by value
     "procspawn.context._worker",
+    "procspawn.pool._worker",  # a pool's worker
     "procspawn.context._progress",
     "procspawn.sharing.channels._startup",
     "procspawn.sharing.segments._file_descriptor",

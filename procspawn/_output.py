@@ -269,6 +269,8 @@ class OutputForwarder:
             if self._closed:
                 return
             thread = self._thread
+            if thread is None:
+                self._stopping = True  # no thread from now on: pipe() and release() refuse
         if thread is None:
             self._drain(timeout)  # held pipes that never spoke: read to their end here
         else:
@@ -350,9 +352,8 @@ class OutputForwarder:
         ``timeout`` passed, then what is left without waiting."""
         with self._cond:
             selector = self._selector
-            if selector is None:
-                return
-            self._stopping = True  # pipe() refuses from now on
+        if selector is None:
+            return
         deadline = time.monotonic() + max(0.0, timeout)
         try:
             while self._open:

@@ -209,10 +209,8 @@ class OutputForwarder:
             speaks = False
             for key, _ in self._selector.select(0):
                 entry = key.data
-                if entry is None:  # the wake-up pipe
-                    with contextlib.suppress(OSError):
-                        while os.read(self._wake_r, 4096):
-                            pass
+                if entry is None:
+                    self._eat_wakeups()
                 elif _unread(entry.fd) > 0:
                     speaks = True
                 else:
@@ -361,17 +359,24 @@ class OutputForwarder:
                 if left <= 0:
                     break
                 flush = self._flush_timeout()
-                for key, _ in selector.select(left if flush is None else min(left, flush)):
-                    if key.data is None:
-                        with contextlib.suppress(OSError):
-                            while os.read(self._wake_r, 4096):
-                                pass
-                    else:
-                        self._read(key.data, selector)
-                self._flush_stale(time.monotonic())
+                self._read_ready(selector, left if flush is None else min(left, flush))
             self._finish(selector)
         except Exception:
             _log.exception("procspawn output forwarding failed while closing")
+
+    def _read_ready(self, selector: selectors.BaseSelector, timeout: float | None) -> None:
+        """Wait up to ``timeout`` for a pipe, read what is ready, flush stale partial lines."""
+        for key, _ in selector.select(timeout):
+            if key.data is None:
+                self._eat_wakeups()
+            else:
+                self._read(key.data, selector)
+        self._flush_stale(time.monotonic())
+
+    def _eat_wakeups(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 4096):
+                pass
 
     def _wake(self) -> None:
         try:
@@ -412,16 +417,7 @@ class OutputForwarder:
             selector.register(entry.fd, selectors.EVENT_READ, entry)
         if stopping:
             return True
-        for key, _ in selector.select(self._flush_timeout()):
-            if key.data is None:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except OSError:
-                    pass
-            else:
-                self._read(key.data, selector)
-        self._flush_stale(time.monotonic())
+        self._read_ready(selector, self._flush_timeout())
         return False
 
     def _read(self, entry: _Stream, selector: selectors.BaseSelector | None) -> bool:

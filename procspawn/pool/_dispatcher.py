@@ -334,8 +334,9 @@ class Dispatcher:
                 self._forget_worker(worker)
             self._release()
             raise
-        if self._output.fileno() >= 0:
-            self._watcher.add(self._output.fileno(), ("output", None))
+        output_fd = self._output.fileno()
+        if output_fd >= 0:
+            self._watcher.add(output_fd, ("output", None))
         else:
             self._output.release()
         self._thread = threading.Thread(

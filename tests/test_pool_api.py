@@ -240,6 +240,16 @@ def test_max_tasks_per_child_replaces_workers_even_under_fork():
     assert len(set(pids)) == 3
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_max_tasks_per_child_of_one_over_a_map(method):
+    """A map hands out two tasks per worker when it can: never past a worker's budget
+    (its extra tasks would wait on a worker that exits, which broke the executor)."""
+    with mp.ProcessPoolExecutor(2, mp_context=method, max_tasks_per_child=1) as ex:
+        pids = list(ex.map(pid_of, range(40), timeout=DEADLINE))
+    assert len(set(pids)) == 40  # one task per worker, and every task ran
+
+
 # -- the reusable executor -----------------------------------------------------------
 
 

@@ -831,7 +831,8 @@ class Dispatcher:
             for worker in open_workers:
                 if not self._pending:
                     return
-                if len(worker.tasks) >= room:
+                # budget: a worker given its last task in the first round gets no more
+                if len(worker.tasks) >= room or worker.budget == 0:
                     continue
                 if room == 2 and worker.tasks:
                     if len(self._pending) <= len(open_workers):

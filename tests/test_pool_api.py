@@ -250,6 +250,72 @@ def test_max_tasks_per_child_of_one_over_a_map(method):
     assert len(set(pids)) == 40  # one task per worker, and every task ran
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "method, strategy",
+    [("fork", "file_descriptor"), ("forkserver", "file_descriptor"), ("fork", "file_system")],
+)
+def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, strategy):
+    """Workers replaced after every task, arrays in every result, a process allowed 64
+    open descriptors: every result arrives, and after the pools the parent has the
+    descriptors, children and /dev/shm entries it had before them (seen from outside)."""
+    code = textwrap.dedent(
+        """
+        import os, resource, sys
+        import numpy as np
+        import procspawn
+
+        def ones(i):
+            return os.getpid(), np.full(100, i)
+
+        def ours(pids):  # /dev/shm names of this process or its workers
+            return {n for n in os.listdir("/dev/shm")
+                    if n.startswith("procspawn_") and int(n.split("_")[1]) in pids}
+
+        def children():
+            return [t for t in os.listdir("/proc") if t.isdigit()
+                    and open(f"/proc/{t}/stat").read().rsplit(")", 1)[1].split()[1]
+                    == str(os.getpid())]
+
+        if __name__ == "__main__":
+            method = sys.argv[1]
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+            pids = {os.getpid()}
+            start = os.listdir("/proc/self/fd")
+            with procspawn.Pool(2, maxtasksperchild=1, context=method) as pool:
+                for _ in range(2):
+                    out = pool.map(ones, range(150), chunksize=1)
+                    assert [int(a[0]) for _, a in out] == list(range(150))
+                    pids.update(pid for pid, _ in out)
+                    del out
+            with procspawn.ProcessPoolExecutor(2, mp_context=method,
+                                               max_tasks_per_child=1) as ex:
+                out = list(ex.map(ones, range(150), timeout=60))
+                assert [int(a[0]) for _, a in out] == list(range(150))
+                pids.update(pid for pid, _ in out)
+                del out
+            extra = {
+                fd: os.readlink(f"/proc/self/fd/{fd}")
+                for fd in set(os.listdir("/proc/self/fd")) - set(start)
+            }
+            if method == "fork":
+                assert children() == [], children()
+                assert extra == {}, extra
+            else:  # the fork server's alive pipe and the resource tracker's: until exit
+                assert len(extra) <= 2 and all(
+                    link.startswith("pipe:") for link in extra.values()), extra
+            assert len(pids) > 300  # a worker per task
+            assert ours(pids) == set(), ours(pids)
+            print("ok")
+        """
+    )
+    env = {"PROCSPAWN_SHARING_STRATEGY": strategy}
+    result = run_script(code, timeout=110, args=[method], env_extra=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
 # -- the reusable executor -----------------------------------------------------------
 
 

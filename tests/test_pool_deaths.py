@@ -15,6 +15,7 @@ import signal
 import time
 
 import pytest
+from _helpers import ROOT, run_script
 from _pool_workers import die, maybe_die, pid_of, record_pid_and_sleep, slow_square, square
 
 import procspawn as mp
@@ -222,3 +223,75 @@ def test_maxtasksperchild_replaces_workers_and_deaths_still_fail_one_task():
         with pytest.raises(mp.ProcessExitedException):
             p.starmap(maybe_die, [(x, 4, "sigkill") for x in range(8)], chunksize=1)
         assert p.map(square, range(6), chunksize=1) == [0, 1, 4, 9, 16, 25]
+
+
+# -- exit statuses taken by someone else -------------------------------------------------
+
+_REAPED_ELSEWHERE = """
+import signal, sys
+sys.path.insert(0, {tests!r})
+import procspawn as mp
+from _pool_workers import die, maybe_die, square
+
+def rank(r):
+    return r * 3
+
+if __name__ == "__main__":
+    # every child is reaped by the kernel as it exits: no exit status for anyone
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    with mp.Pool(2, maxtasksperchild=1, context="fork") as pool:
+        assert pool.map(square, range(12), chunksize=1) == [x * x for x in range(12)]
+        try:
+            pool.starmap(maybe_die, [(x, 2, "sigkill") for x in range(4)], chunksize=1)
+        except mp.ProcessExitedException as exc:
+            print("death:", exc)
+        assert pool.map(square, range(6)) == [x * x for x in range(6)]
+    with mp.ProcessPoolExecutor(2, mp_context="fork", max_tasks_per_child=1) as ex:
+        assert list(ex.map(square, range(8))) == [x * x for x in range(8)]
+    print(mp.spawn(rank, nprocs=2, start_method="fork"))
+"""
+
+
+@pytest.mark.timeout(90)
+def test_workers_whose_exit_status_nobody_can_read():
+    """SIGCHLD ignored: the kernel reaps every child and no exit code exists. Workers that
+    retire are replaced, a worker's death still fails its task (its status unknown, said
+    so), and spawn returns its results."""
+    result = run_script(_REAPED_ELSEWHERE.format(tests=os.path.join(ROOT, "tests")), timeout=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("death: pool worker (pid "), lines
+    assert "unknown exit status" in lines[0] and "maybe_die(2, 2, 'sigkill')" in lines[0]
+    assert lines[-1] == "[0, 3]"
+    assert "dispatcher thread failed" not in result.stderr, result.stderr
+
+
+_CLOSED_WITHOUT_JOIN = """
+import sys
+sys.path.insert(0, {tests!r})
+import procspawn as mp
+from _pool_workers import square
+
+if __name__ == "__main__":
+    pools = []
+    for i in range(100):
+        pool = mp.Pool(2, context="fork")
+        assert pool.map(square, range(10)) == [x * x for x in range(10)]
+        pool.close()  # its workers exit while the next pool starts its own
+        pools.append(pool)
+    for pool in pools:
+        pool.join()
+    print("ok")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_pools_closed_without_join_while_others_start():
+    """Each Process.start() polls every multiprocessing child (the stdlib's _cleanup), so
+    another pool's start reaps workers that are exiting: their pool must still read their
+    exit codes (it found none and its dispatcher thread died, a few times per 100 pools)."""
+    code = _CLOSED_WITHOUT_JOIN.format(tests=os.path.join(ROOT, "tests"))
+    result = run_script(code, timeout=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+    assert "dispatcher thread failed" not in result.stderr, result.stderr[-3000:]

@@ -36,13 +36,16 @@ from ._errors import (
 )
 from ._progress import Progress
 from ._watch import (
+    UNKNOWN_EXIT_CODE,
     Watcher,
     default_grace_period,
     describe_exit,
+    exit_code,
     exit_handle,
     last_words,
     oom_kills,
     stop,
+    unknown_exit_text,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -378,20 +381,21 @@ class ProcessContext(Generic[_R]):
 
     def _on_exit(self, rank: int) -> None:
         proc = self.processes[rank]
-        proc.join()
+        code = exit_code(proc)
         self._exited[rank] = True
         self._watcher.remove(self._exit_fds[rank])
         if self._results[rank] is _MISSING and not self._readers[rank].eof:
             self._read(rank)  # the whole message is in the socket buffer by now
-        code = proc.exitcode
-        assert code is not None
-        if self._results[rank] is not _MISSING and code == 0:
-            return
+        if self._results[rank] is not _MISSING and code in (0, None):
+            return  # its result came: an unknown exit status does not undo it
         if code == 0:
             self._results[rank] = None  # sys.exit(0) / sys.exit(None): a clean exit
             return
         pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
-        how, name = describe_exit(code, pid=pid, oom_kills_before=self._oom_kills)
+        if code is None:
+            how, name, code = unknown_exit_text(), None, UNKNOWN_EXIT_CODE
+        else:
+            how, name = describe_exit(code, pid=pid, oom_kills_before=self._oom_kills)
         raise ProcessExitedException(
             f"process {rank} (pid {pid}) {how}" + self._last_words(rank), rank, pid, code, name
         )

@@ -177,6 +177,40 @@ def exit_handle(proc: BaseProcess) -> tuple[int, bool]:
     return proc.sentinel, False
 
 
+# Seconds to wait for another thread that reaped a child to record its exit code
+REAPED_ELSEWHERE_WAIT = 1.0
+# The exit code reported for a child whose exit status nobody recorded (as multiprocessing's
+# own fork server Popen does when it cannot read one)
+UNKNOWN_EXIT_CODE = 255
+
+
+def exit_code(proc: BaseProcess, timeout: float | None = None) -> int | None:
+    """The exit code of ``proc``, which its exit handle said has exited: joined (for at
+    most ``timeout`` seconds under forkserver, whose server reports it).
+
+    Another thread may have reaped it first: every ``Process.start()``, in any thread,
+    polls all of multiprocessing's children (``multiprocessing.process._cleanup``), and a
+    join that comes between that poll's ``waitpid`` and its recording of the code finds no
+    child; the code is there a moment later. None if it never is (the child was reaped
+    outside multiprocessing: SIGCHLD ignored, an ``os.wait()`` of the program's own).
+    """
+    proc.join(timeout)
+    if proc.exitcode is not None or signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+        return proc.exitcode  # (ignored SIGCHLD: the kernel reaps every child, nobody records)
+    deadline = time.monotonic() + REAPED_ELSEWHERE_WAIT
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return proc.exitcode
+
+
+def unknown_exit_text() -> str:
+    """The words for a child whose exit status is unknown (see ``exit_code``)."""
+    return (
+        "exited, with an unknown exit status (something else in this process collected "
+        "it: SIGCHLD set to SIG_IGN, or an os.wait() of its own)"
+    )
+
+
 class Watcher:
     """One epoll over children's exits, channels and a wake-up pipe.
 

@@ -43,15 +43,18 @@ from .. import _log
 from .._output import OutputForwarder
 from ..context._errors import ProcessExitedException
 from ..context._watch import (
+    UNKNOWN_EXIT_CODE,
     Watcher,
     default_grace_period,
     describe_exit,
+    exit_code,
     exit_handle,
     last_words,
     oom_kills,
     send_signal,
     sigint_held,
     stop,
+    unknown_exit_text,
 )
 from ..context.launch._child import parent_death_signal_is_safe, start_child
 from ..context.launch._forkserver import preload_also
@@ -1040,13 +1043,11 @@ class Dispatcher:
         proc = worker.proc
         # the exit status: a forked worker is a zombie now (its pidfd said so); under
         # forkserver it comes from the server, which is not waited for without limit
-        proc.join(None if self.start_method == "fork" else 5.0)
-        code = proc.exitcode
-        if code is None:  # cannot happen short of a kernel oddity: make it true
+        code = exit_code(proc, None if self.start_method == "fork" else 5.0)
+        if code is None and self.start_method != "fork":  # the server never said: be sure
             send_signal(proc, signal.SIGKILL)
-            proc.join()
-            code = proc.exitcode
-        assert code is not None
+            code = exit_code(proc, 5.0)
+        # None: reaped outside multiprocessing, its status unknown (see exit_code)
         if self._init_failed is not None:  # reaped first: its Process holds descriptors
             self._requeue(list(worker.tasks))
             worker.tasks.clear()
@@ -1062,7 +1063,7 @@ class Dispatcher:
             tasks = tasks[1:]
         expected = worker.stopping is not None
         retired = (
-            code == 0
+            code in (0, None)
             and running is None
             and (worker.budget == 0 or worker.stopping is not None or self.state == CLOSING)
         )
@@ -1122,8 +1123,14 @@ class Dispatcher:
         with self._lock:
             self._pending.extendleft(reversed(tasks))
 
-    def _death_error(self, worker: _Worker, code: int, task: Task | None) -> ProcessExitedException:
-        how, name = describe_exit(code, pid=worker.pid, oom_kills_before=worker.oom_kills)
+    def _death_error(
+        self, worker: _Worker, code: int | None, task: Task | None
+    ) -> ProcessExitedException:
+        """The error of a worker's unexpected exit; ``code`` None: its status is unknown."""
+        if code is None:
+            how, name, code = unknown_exit_text(), None, UNKNOWN_EXIT_CODE
+        else:
+            how, name = describe_exit(code, pid=worker.pid, oom_kills_before=worker.oom_kills)
         if task is not None:
             when = f" while running {task.job.describe(task)}"
         elif worker.ready:

@@ -556,6 +556,105 @@ def test_under_fork_a_scripts_functions_go_by_name_only_when_the_worker_has_them
     assert result.stdout.strip() == "ok"
 
 
+_MAIN_DEFINITIONS = """
+import sys
+import dataclasses
+import procspawn
+
+SCALE = 1
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+
+
+class Failure(Exception):
+    pass
+
+
+def setup(value):
+    global STATE
+    STATE = value
+
+
+def read_state(x):
+    return x + STATE
+
+
+def check_point(p):
+    return isinstance(p, Point) and p == Point(p.x), Point(p.x + 1)
+
+
+def fail(x):
+    raise Failure(x)
+
+
+def scaled(x):
+    return x * SCALE
+
+
+if __name__ == "__main__":
+    method = {method!r}
+    SCALE = 10  # the workers' main module has SCALE = 1, as with the standard library
+
+    class Local:  # under the guard: no worker has it, it goes by value
+        def __init__(self, v):
+            self.v = v
+
+    def under_guard(x):
+        return Local(x * 2)
+
+    factor = 3
+    out = []
+    with procspawn.Pool(2, initializer=setup, initargs=(100,), context=method) as pool:
+        out.append(pool.map(read_state, range(3)))
+        ok, nxt = pool.apply(check_point, (Point(4),))
+        out.append((ok, type(nxt) is Point, nxt))
+        try:
+            pool.apply(fail, (7,))
+        except Failure as exc:
+            out.append(("caught", exc.args))
+        out.append([r.v for r in pool.map(under_guard, range(3))])
+        out.append(pool.map(lambda x: x * factor, range(3)))
+        out.append(pool.apply(scaled, (2,)))
+    executor = procspawn.ProcessPoolExecutor
+    with executor(2, mp_context=method, initializer=setup, initargs=(5,)) as ex:
+        out.append(list(ex.map(read_state, range(3))))
+        ok, nxt = ex.submit(check_point, Point(1)).result()
+        out.append((ok, type(nxt) is Point))
+    print(repr(out))
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_a_scripts_own_functions_and_classes_are_the_workers_own(tmp_path, method):
+    """As with the standard library's pools: the initializer and the tasks run in the
+    worker's main module (a global the initializer sets, the tasks read), and a class of
+    the script is the same class in the worker and back in the parent (isinstance, ==,
+    except). What the worker's main module does not have (a class or function defined
+    under the guard, a lambda) still travels, by value. A global changed under the guard
+    is the worker's own: the parent's at the fork, the script's top level otherwise."""
+    script = tmp_path / "main_definitions.py"
+    script.write_text(_MAIN_DEFINITIONS.format(method=method))
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scaled = 20 if method == "fork" else 2
+    assert result.stdout.strip() == repr(
+        [
+            [100, 101, 102],
+            (True, True, "Point(x=5)"),
+            ("caught", (7,)),
+            [0, 2, 4],
+            [0, 3, 6],
+            scaled,
+            [5, 6, 7],
+            (True, True),
+        ]
+    ).replace("'Point(x=5)'", "Point(x=5)")
+
+
 def _collect_holding(*locks) -> None:
     """Run the garbage collector in this thread while it holds ``locks``, as an allocation
     inside any locked section may; a finalizer that waits for one of them hangs here."""

@@ -33,7 +33,6 @@ import socket
 import sys
 import threading
 import time
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
@@ -69,7 +68,7 @@ from ..sharing.channels._fdpass import (
 )
 from ..sharing.channels._startup import StartupMessage
 from ..sharing.segments import _strategy
-from ..sharing.wire import _pickler
+from ..sharing.wire import _main_names, _pickler
 from . import _worker
 from ._errors import InitializerError, TaskTimeoutError, TerminatedWorkerError
 
@@ -124,31 +123,6 @@ class Job:
         return _name_of(self.fn)
 
 
-def _main_functions() -> dict[str, weakref.ref[Any]]:
-    """The functions ``__main__`` has now, by name, held weakly: a worker forked next has
-    the same, so they can be sent to it by name (as the stdlib does under fork), which
-    spares importing cloudpickle (tens of ms) for the first call of a script's function."""
-    main = sys.modules.get("__main__")
-    found: dict[str, weakref.ref[Any]] = {}
-    for name, value in list(getattr(main, "__dict__", {}).items()):
-        if type(value) is types.FunctionType:
-            found[name] = weakref.ref(value)
-    return found
-
-
-def _main_name(worker: _Worker, fn: Any) -> Any:
-    """What to send of ``fn``: ``(MAIN, name)`` when ``worker`` was forked with this very
-    function in ``__main__`` under that name (a function defined or redefined since is
-    another object), else ``fn`` itself (pickled by value if it must be)."""
-    known = worker.main_functions
-    if known and type(fn) is types.FunctionType and fn.__module__ == "__main__":
-        name: str = getattr(fn, "__qualname__", "")
-        ref = known.get(name)
-        if ref is not None and ref() is fn:
-            return (_worker.MAIN, name)
-    return fn
-
-
 def _has_exited(worker: _Worker) -> bool:
     """Whether ``worker``'s exit handle says it is gone, without waiting."""
     poller = select.poll()
@@ -200,7 +174,7 @@ class _Worker:
         "idle_since",
         "pid",
         "running",
-        "main_functions",
+        "main_index",
         "deadline",
         "verdict",
         "oom_kills",
@@ -230,8 +204,9 @@ class _Worker:
         self.kill_at: float | None = None  # when to SIGKILL it (stopping)
         self.idle_since = time.monotonic()
         self.running = False  # it took tasks[0] off its channel (and may be running it)
-        # fork: the functions __main__ had when it was forked (it has them too), held weakly
-        self.main_functions: dict[str, weakref.ref[Any]] | None = None
+        # the functions and classes its main module has (see _main_names): a snapshot at
+        # the fork, else what it says when it is ready; no task is pickled for it before
+        self.main_index: dict[str, Any] | None = None
         self.deadline: float | None = None  # task_timeout: when its running task is late
         # (task, error): procspawn stops it on purpose because of its running task (a
         # timeout, kill()); that task fails with the error unless it answered first
@@ -310,6 +285,7 @@ class Dispatcher:
             tuple(initargs) if initializer else (),
             _strategy.snapshot(),
             break_on_death,  # an executor's worker keeps concurrent.futures' rules
+            start_method == "fork",  # forked: it has its parent's main module
         )
         # Queues, Locks in initargs only pickle as a process starts (deferred); with no
         # initializer the payload is plain data, pickled without cloudpickle
@@ -328,9 +304,9 @@ class Dispatcher:
         try:
             # read once for the first workers, which start together
             count = oom_kills()
-            functions = _main_functions() if start_method == "fork" else None
+            index = _main_names.snapshot() if start_method == "fork" else None
             for _ in range(0 if self.lazy else processes):
-                self._start_worker(count, functions)
+                self._start_worker(count, index)
         except BaseException:
             self._stop_all(0.0)
             for worker in list(self._workers.values()):
@@ -614,15 +590,15 @@ class Dispatcher:
     def _start_worker(
         self,
         oom_count: int | None = None,
-        main_functions: dict[str, weakref.ref[Any]] | None = None,
+        main_index: dict[str, Any] | None = None,
     ) -> _Worker:
-        """Start a worker; ``oom_count`` and ``main_functions`` (fork): the OOM killer's
-        count and ``__main__``'s functions, when read just before (else read here)."""
+        """Start a worker; ``oom_count`` and ``main_index`` (fork): the OOM killer's count
+        and what ``__main__`` has, when read just before (else read here)."""
         slot = next(self._slots)
         if oom_count is None:
             oom_count = oom_kills()
-        if main_functions is None and self.start_method == "fork":
-            main_functions = _main_functions()
+        if main_index is None and self.start_method == "fork":
+            main_index = _main_names.snapshot()
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             args = (
@@ -648,8 +624,7 @@ class Dispatcher:
             child_end.close()
         parent_end.setblocking(False)
         worker = _Worker(slot, proc, parent_end, self.max_tasks, oom_count)
-        if self.start_method == "fork":
-            worker.main_functions = main_functions
+        worker.main_index = main_index
         self._workers[slot] = worker
         self._watcher.add(worker.exit_fd, ("exit", worker))
         self._watcher.add(parent_end.fileno(), ("chan", worker))
@@ -824,7 +799,8 @@ class Dispatcher:
         open_workers = [
             w
             for w in self._workers.values()
-            if not w.stopping and w.budget != 0 and not w.reader.eof  # eof: it is dying
+            # eof: it is dying; no main_index yet: what to send by name is not known
+            if not w.stopping and w.budget != 0 and not w.reader.eof and w.main_index is not None
         ]
         # One task to each worker with none. Then, with a backlog, one more to a ready
         # worker whose task calls the same function as the next one (a map, a loop of
@@ -880,11 +856,13 @@ class Dispatcher:
         if known is not None and known() is job.fn:
             worker.known.move_to_end(key)
         else:
-            fn = _main_name(worker, job.fn)
+            fn = job.fn
             if known is None and len(worker.known) >= _FUNCTIONS_KEPT:
                 forget = next(iter(worker.known))
         try:
-            message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
+            # what its main module has goes by name, as the standard library sends it
+            with _main_names.sending_to(worker.main_index):
+                message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
         except BaseException as exc:
             _settle(task, False, exc)  # the pickler's error names what failed
             return None
@@ -980,6 +958,8 @@ class Dispatcher:
             self._done_with(worker)
         elif tag == "R":
             worker.ready = True
+            if len(message) > 1:  # spawn, forkserver: what its main module has
+                worker.main_index = message[1]
             self._startup_failures = 0
         elif tag == "I":
             error = InitializerError(

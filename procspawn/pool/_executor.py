@@ -4,9 +4,10 @@ As ``concurrent.futures.ProcessPoolExecutor``: ``submit`` returns a Future, ``ma
 iterator of results in order, and a worker that dies unexpectedly breaks the executor:
 every future not done and every later ``submit`` raise ``procspawn.TerminatedWorkerError``,
 a ``BrokenProcessPool`` that names the worker, how it died, the call it ran and its last
-stderr lines. Unlike the stdlib's, functions travel by cloudpickle (lambdas, closures,
-``__main__``), arrays through shared memory, and no queue or lock is shared between
-workers. Workers start as work comes, up to ``max_workers``.
+stderr lines. Unlike the stdlib's, what a worker's main module does not have travels by
+cloudpickle (lambdas, closures, functions defined under the ``__main__`` guard), arrays
+through shared memory, and no queue or lock is shared between workers. Workers start as
+work comes, up to ``max_workers``.
 """
 
 from __future__ import annotations

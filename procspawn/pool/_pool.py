@@ -6,8 +6,9 @@ running with a ``ProcessExitedException``, the tasks it had not started run else
 new worker takes its place and the pool goes on; an initializer that raises fails every
 call with an ``InitializerError`` instead of restarting workers forever; Ctrl-C during a
 call stops that call's tasks (their workers are replaced) and raises one
-``KeyboardInterrupt``, in the caller. Functions travel by cloudpickle (lambdas, closures)
-and arrays through shared memory.
+``KeyboardInterrupt``, in the caller. The script's own functions and classes travel by
+name, as the stdlib's, and what a worker does not have by cloudpickle (lambdas, closures);
+arrays through shared memory.
 """
 
 from __future__ import annotations
@@ -459,10 +460,12 @@ class Pool:
     A worker that dies while it runs a task fails that task (``get()`` or the
     ``map``/``imap`` containing it raises ``procspawn.ProcessExitedException``, naming
     the pid, the signal or exit code, the call and the worker's last stderr lines); the
-    other tasks go on, and a new worker takes its place. Functions travel by cloudpickle
-    (lambdas, closures and functions of ``__main__`` work) and NumPy arrays through
-    shared memory. Ctrl-C while a call waits stops that call's tasks (their workers are
-    replaced) and raises one ``KeyboardInterrupt``.
+    other tasks go on, and a new worker takes its place. The script's top-level functions
+    and classes travel by name, as with the stdlib (the initializer and the tasks share
+    the main module's globals); lambdas, closures and what is defined under the
+    ``__main__`` guard by cloudpickle; NumPy arrays through shared memory. Ctrl-C while
+    a call waits stops that call's tasks (their workers are replaced) and raises one
+    ``KeyboardInterrupt``.
 
     Use it as a context manager (``terminate()`` on leaving, as the stdlib's), or call
     ``close()`` and ``join()``; a pool dropped while running warns (``ResourceWarning``)

@@ -4,10 +4,11 @@ Each worker has a channel of its own (a socketpair with the parent); nothing is 
 between workers, so a worker's death can leave nothing half-written. Messages::
 
     parent -> worker   (fn key, fn or None, fn key to forget or None, kind, payload)
-                       (fn may be (MAIN, name): __main__'s function of that name, which a
-                       forked worker has as its parent had it)
                        None: exit now (the pool is closing)
     worker -> parent   ("R",)                        ready: the initializer ran
+                       ("R", index)                  the same, from a worker not forked:
+                                                     what its main module has, which
+                                                     the parent then sends by name
                        ("s",)                        a task arrived and starts now
                        ("I", exception or None, text)  the initializer raised; exits 1
                        ("r", value)                  a task's result
@@ -30,12 +31,13 @@ import pickle
 import signal
 import socket
 import sys
+import types
 from typing import Any
 
 from ..context.launch import _posix
 from ..sharing._errors import ChannelClosed
 from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
-from ..sharing.wire import _pickler
+from ..sharing.wire import _main_names, _pickler
 
 try:  # signal.signal's own, without its enum conversions (a tenth of the time)
     from _signal import signal as _set_handler
@@ -43,7 +45,6 @@ except ImportError:  # pragma: no cover - not CPython
     _set_handler = signal.signal
 
 APPLY, MAP, STARMAP = 0, 1, 2
-MAIN = "__main__"  # (MAIN, name): the function is __main__'s ``name`` (a forked worker has it)
 _READY = pickle.dumps(("R",), pickle.HIGHEST_PROTOCOL)
 _STARTED = pickle.dumps(("s",), pickle.HIGHEST_PROTOCOL)
 _EXIT = pickle.dumps(None, pickle.HIGHEST_PROTOCOL)  # what the parent sends to say "exit"
@@ -72,12 +73,12 @@ def main(
     _set_handler(signal.SIGINT, _ignore)
     try:
         try:
-            initializer, initargs, strategy, executor = payload.load()
+            initializer, initargs, strategy, executor, forked = payload.load()
             from ..sharing.segments import _strategy
 
             _strategy.restore(strategy)
             if initializer is not None:
-                initializer(*initargs)
+                _as_in_main(initializer)(*initargs)
         except SystemExit:
             raise
         except BaseException as exc:
@@ -89,10 +90,38 @@ def main(
                 )
             _send_error(channel, "I", exc)
             sys.exit(1)
-        send_message(channel, _READY)
+        if forked:  # what it sends back of its inherited main module goes by name
+            _main_names.set_default(_main_names.INHERITED)
+            send_message(channel, _READY)
+        else:
+            ready = ("R", _main_names.main_index())
+            send_message(channel, pickle.dumps(ready, pickle.HIGHEST_PROTOCOL))
         _serve(channel, max_tasks, executor)
     finally:
         channel.close()
+
+
+def _as_in_main(fn: Any) -> Any:
+    """The initializer as the standard library's worker has it. It is pickled with the
+    pool, before any worker said what its main module has, so a function of the script's
+    top level comes by value; this worker's own copy of the same def (its main module's:
+    imported again under spawn and forkserver, inherited under fork) replaces it, so that
+    it runs in the main module's globals, where the tasks sent by name run too: what it
+    sets with ``global``, they see. Any other function runs as it came."""
+    if (
+        type(fn) is not types.FunctionType
+        or fn.__module__ != "__main__"
+        or fn.__qualname__ != fn.__name__  # not defined at the top level
+    ):
+        return fn
+    mine = getattr(sys.modules.get("__main__"), fn.__name__, None)
+    if (
+        type(mine) is types.FunctionType
+        and mine.__qualname__ == fn.__name__
+        and _main_names.fingerprint(mine) == _main_names.fingerprint(fn)
+    ):
+        return mine
+    return fn
 
 
 def _ignore(signum: int, frame: Any) -> None:
@@ -144,8 +173,6 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         if forget is not None:
             functions.pop(forget, None)
         if fn is not None:
-            if type(fn) is tuple:
-                fn = getattr(sys.modules[MAIN], fn[1], None)
             functions[key] = fn
         else:
             fn = functions.get(key)

@@ -27,6 +27,7 @@ from typing import Any
 
 from .. import _registry
 from .._message import Message, RecvState, SendState, begin_receive, begin_send
+from . import _main_names
 
 _local = threading.local()
 
@@ -104,10 +105,13 @@ _NAMED_TYPES = (types.FunctionType, types.BuiltinFunctionType, type)
 def _by_reference(obj: Any) -> bool:
     """Whether ``obj`` (a function or class) is found under its name in a module other
     than ``__main__`` that cloudpickle was not told to pickle by value: then the C pickler
-    pickles it by name, exactly as cloudpickle would, without importing cloudpickle."""
+    pickles it by name, exactly as cloudpickle would, without importing cloudpickle. One
+    of ``__main__`` goes by name when the receiver has it (see ``_main_names``)."""
     module_name = getattr(obj, "__module__", None)
-    if not module_name or module_name == "__main__":
+    if not module_name:
         return False
+    if module_name == "__main__":
+        return _main_names.by_name(obj)
     cloudpickle = sys.modules.get("cloudpickle.cloudpickle")
     if cloudpickle is not None and getattr(cloudpickle, "_PICKLE_BY_VALUE_MODULES", None):
         return False
@@ -180,6 +184,15 @@ def _cloud_picklers() -> tuple[type, type]:
 
             def __init__(self, file: io.BytesIO) -> None:
                 super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+
+            def reducer_override(self, obj: Any) -> Any:
+                if (
+                    (type(obj) is types.FunctionType or isinstance(obj, type))
+                    and obj.__module__ == "__main__"
+                    and _main_names.by_name(obj)
+                ):
+                    return NotImplemented  # by name: the receiver has this very definition
+                return super().reducer_override(obj)
 
         class DeferringPickler(Pickler):
             """Leaves objects that only pickle while a process starts (multiprocessing's

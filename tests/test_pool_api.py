@@ -316,6 +316,70 @@ def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, st
     assert result.stdout.strip() == "ok"
 
 
+_FD_LIMIT_SCRIPT = """
+import os, resource, sys
+import numpy as np
+import procspawn
+
+HELD = []
+
+
+def arr(i):
+    return np.full(40_000, float(i))  # 320 KB: a segment of its own, a descriptor each
+
+
+def hold_every_descriptor():
+    while True:
+        try:
+            HELD.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            return len(HELD)
+
+
+def total(a):
+    return float(a.sum())
+
+
+if __name__ == "__main__":
+    procspawn.set_sharing_strategy("file_descriptor")  # chosen: no fallback
+    side = sys.argv[1]
+    if side == "parent":  # the caller cannot receive its results' descriptors
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        pool = procspawn.Pool(2, context="forkserver")
+        call = lambda: pool.map(arr, range(200), chunksize=1)
+    else:  # a worker cannot receive its arguments' descriptors
+        pool = procspawn.Pool(1, context="forkserver", initializer=resource.setrlimit,
+                              initargs=(resource.RLIMIT_NOFILE, (64, 64)))
+        assert pool.apply(hold_every_descriptor) > 0
+        call = lambda: pool.apply(total, (np.ones(100_000),))
+    with pool:
+        try:
+            call()
+        except procspawn.FdLimitError as exc:
+            print("FdLimitError:", exc)
+        print(pool.map(abs, [-1, -2, -3]))  # the pool goes on
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("side", ["parent", "worker"])
+def test_a_process_at_its_descriptor_limit_fails_the_call_instead_of_hanging(side):
+    """Under the file_descriptor strategy (chosen, so no fallback) a process at its hard
+    limit cannot receive a message's descriptors: the call whose arrays they were fails
+    with FdLimitError, which names the limit and the fixes, and the pool goes on (the
+    caller's side hung before: the dispatcher took the error for the channel's end)."""
+    result = run_script(_FD_LIMIT_SCRIPT, timeout=110, args=[side])
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = result.stdout.strip().splitlines()
+    assert first.startswith("FdLimitError: [Errno 24] too many open files: the "), first
+    what = "the result of arr(" if side == "parent" else "the arguments of a task"
+    assert what in first, first
+    who = "this process" if side == "parent" else "process "
+    assert f"because {who}" in first and "(RLIMIT_NOFILE soft=64, hard=64)" in first, first
+    assert "file_system" in first
+    assert last == "[1, 2, 3]"
+
+
 # -- the reusable executor -----------------------------------------------------------
 
 

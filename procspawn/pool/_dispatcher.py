@@ -57,7 +57,7 @@ from ..context._watch import (
 )
 from ..context.launch._child import parent_death_signal_is_safe, start_child
 from ..context.launch._forkserver import preload_also
-from ..sharing._errors import ChannelClosed
+from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing._message import Message
 from ..sharing.channels._fdpass import (
     MessageReader,
@@ -921,6 +921,15 @@ class Dispatcher:
                     continue
             except (BlockingIOError, InterruptedError):
                 return
+            except FdLimitError as exc:
+                # this process is at its descriptor limit: the message (an answer: only
+                # those carry arrays) was read whole and its descriptors dropped. Its task
+                # fails with the error, which names the limit and the fixes; the channel
+                # goes on.
+                self._lost_answer(worker, exc)
+                if worker.slot not in self._workers or self.broken is not None:
+                    return
+                continue
             except (ChannelClosed, OSError):
                 reader.eof = True
                 self._watcher.remove(worker.sock.fileno())
@@ -929,6 +938,17 @@ class Dispatcher:
             self._on_message(worker, data, fds)
             if worker.slot not in self._workers or self.broken is not None:
                 return
+
+    def _lost_answer(self, worker: _Worker, exc: FdLimitError) -> None:
+        """The answer to ``worker``'s oldest task could not be received."""
+        if not worker.tasks:
+            return
+        task = worker.tasks.popleft()
+        self._answered(worker)
+        error = FdLimitError(f"the result of {task.job.describe(task)} could not be received")
+        error.__cause__ = exc
+        _settle(task, False, error)
+        self._done_with(worker)
 
     def _on_message(self, worker: _Worker, data: bytes, fds: list[int]) -> None:
         try:

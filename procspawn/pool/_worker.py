@@ -35,7 +35,7 @@ import types
 from typing import Any
 
 from ..context.launch import _posix
-from ..sharing._errors import ChannelClosed
+from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
 from ..sharing.wire import _main_names, _pickler
 
@@ -154,6 +154,14 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
     while max_tasks is None or done < max_tasks:
         try:
             data, fds = recv_message(reader)
+        except FdLimitError as exc:
+            # at the descriptor limit: a task's arrays could not be received (the message
+            # was read whole). That task fails with the error; the worker goes on.
+            send_message(channel, _STARTED)
+            what = f"the arguments of a task could not be received ({exc.what})"
+            _send_error(channel, "e", FdLimitError(what))
+            done += 1
+            continue
         except (ChannelClosed, OSError):
             return  # the parent is gone or closed the channel
         if data != _EXIT:

@@ -38,12 +38,19 @@ class FdLimitError(OSError):
     array holds none: ``procspawn.set_sharing_strategy("file_system")``.
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, where: tuple[int, int, int] | None = None) -> None:
+        """``where``: (pid, soft limit, hard limit) of the process that ran out, when it
+        is not this one (an error sent back by a pool worker)."""
         self.what = what
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if where is None:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            where = (os.getpid(), soft, hard)
+        self.where = where
+        pid, soft, hard = where
+        who = "this process" if pid == os.getpid() else f"process {pid}"
         super().__init__(
             errno.EMFILE,
-            f"too many open files: {what}, because this process is at its limit "
+            f"too many open files: {what}, because {who} is at its limit "
             f"(RLIMIT_NOFILE soft={soft}, hard={hard}). Each live array shared under the "
             f"'file_descriptor' strategy holds one descriptor. Fix: raise the limit "
             f"(`ulimit -n {max(hard, soft * 4)}`) or call "
@@ -51,8 +58,8 @@ class FdLimitError(OSError):
             f"per array.",
         )
 
-    def __reduce__(self) -> tuple[type[FdLimitError], tuple[str]]:
-        return (FdLimitError, (self.what,))
+    def __reduce__(self) -> tuple[type[FdLimitError], tuple[str, tuple[int, int, int]]]:
+        return (FdLimitError, (self.what, self.where))
 
 
 class SharedMemoryFullError(OSError):

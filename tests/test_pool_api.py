@@ -31,6 +31,7 @@ from _pool_workers import (
     return_unrebuildable,
     set_state,
     sleep_forever,
+    slow_square,
     square,
 )
 
@@ -157,6 +158,20 @@ def test_terminate_fails_what_is_not_done_and_leaves_nothing():
     assert time.monotonic() - started < DEADLINE
     with pytest.raises(RuntimeError, match="terminated"):
         pending.get(DEADLINE)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("maxtasksperchild", [None, 1])
+def test_terminate_during_imap_fails_the_rest_with_the_same_error(maxtasksperchild):
+    """The input still being fed when terminate() comes fails as the tasks handed out
+    did (it was ValueError('Pool not running') from the feeding thread)."""
+    p = mp.Pool(2, context="fork", maxtasksperchild=maxtasksperchild)
+    it = p.imap_unordered(slow_square, range(2000))
+    assert len([next(it) for _ in range(6)]) == 6
+    p.terminate()
+    with pytest.raises(RuntimeError, match="terminated before this task finished"):
+        list(it)
+    p.join()
 
 
 @pytest.mark.timeout(60)

@@ -330,6 +330,8 @@ class Dispatcher:
         """Queue tasks; raises if the pool no longer takes work (``accepted``: tasks of
         a job accepted before ``close()``, which still runs them)."""
         with self._lock:
+            if accepted and self.state in (STOPPING, DONE) and self.broken is None:
+                raise self._stopped_error()  # what the job's other unfinished tasks get
             self._check_open(CLOSING if accepted else RUNNING)
             self._pending.extend(tasks)
             # lazy: the workers this work asks for, even if its tasks end before any
@@ -718,10 +720,14 @@ class Dispatcher:
         procs = [w.proc for w in self._workers.values()]
         stop(procs, grace)
 
-    def _finish_stopping(self) -> None:
-        error = getattr(self, "_stop_error", None) or RuntimeError(
+    def _stopped_error(self) -> BaseException:
+        """What a task not finished when the pool was stopped fails with."""
+        return getattr(self, "_stop_error", None) or RuntimeError(
             "the pool was terminated before this task finished"
         )
+
+    def _finish_stopping(self) -> None:
+        error = self._stopped_error()
         self._stop_all(getattr(self, "_stop_grace", self._grace))
         for worker in list(self._workers.values()):
             self._read(worker)  # results already sent are kept

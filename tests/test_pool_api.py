@@ -429,6 +429,26 @@ def test_the_reusable_executor_from_four_threads_at_once(reusable):
 
 
 @pytest.mark.timeout(90)
+def test_the_reusable_executor_takes_lokys_arguments(reusable):
+    """A user of loky's: context= (its name for mp_context), reuse=, timeout=None; its
+    second positional argument (the context) is refused with the fix."""
+    ex = reusable(max_workers=1, context="fork", timeout=None)
+    assert ex._dispatcher.start_method == "fork"
+    assert ex.submit(square, 3).result(DEADLINE) == 9
+    assert reusable(max_workers=1, mp_context="fork", timeout=None) is ex
+    fresh = reusable(max_workers=1, context="fork", timeout=None, reuse=False)
+    assert fresh is not ex and fresh.submit(square, 4).result(DEADLINE) == 16
+    with pytest.raises(ValueError, match="mp_context='loky'"):
+        reusable(2, "loky")
+    with pytest.raises(ValueError, match="not both"):
+        reusable(max_workers=1, context="fork", mp_context="spawn")
+    with pytest.raises(ValueError, match="reuse"):
+        reusable(max_workers=1, reuse="sometimes")
+    with pytest.raises(TypeError, match="max_workers must be an int"):
+        mp.ProcessPoolExecutor(1.5)
+
+
+@pytest.mark.timeout(90)
 def test_the_reusable_executor_is_replaced_after_it_broke(reusable):
     ex = reusable(max_workers=1)
     from _pool_workers import die

@@ -201,6 +201,8 @@ class ProcessPoolExecutor(_cf.Executor):
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
+        elif not isinstance(max_workers, int):  # a float would pass below, and run
+            raise TypeError(f"max_workers must be an int, got {max_workers!r}")
         elif max_workers <= 0:
             raise ValueError("max_workers must be greater than 0")
         if initializer is not None and not callable(initializer):

@@ -24,9 +24,11 @@ _settings: tuple[Any, ...] | None = None
 
 def get_reusable_executor(
     max_workers: int | None = None,
-    timeout: float = 300,
+    timeout: float | None = 300,
     *,
     mp_context: str | BaseContext | None = None,
+    context: str | BaseContext | None = None,
+    reuse: bool | str = "auto",
     initializer: Callable[..., object] | None = None,
     initargs: Iterable[object] = (),
     max_tasks_per_child: int | None = None,
@@ -41,8 +43,12 @@ def get_reusable_executor(
         max_workers: at most this many workers (default ``os.cpu_count()``); a different
             number than last time resizes the executor in place.
         timeout: seconds a worker may stay idle before it exits (it starts again when
-            work comes).
+            work comes); None: workers never exit for being idle.
         mp_context: as for ``ProcessPoolExecutor``.
+        context: loky's name for ``mp_context`` (give one or the other).
+        reuse: ``"auto"`` (or True): the executor of an earlier call with the same
+            settings, as loky's; False: a new one every call (the old one finishes what it
+            was given).
         initializer: as for ``ProcessPoolExecutor``.
         initargs: as for ``ProcessPoolExecutor``.
         max_tasks_per_child: as for ``ProcessPoolExecutor``.
@@ -60,7 +66,8 @@ def get_reusable_executor(
         replaced.
 
     Raises:
-        ValueError: ``max_workers`` or ``timeout`` is not a positive number.
+        ValueError: ``max_workers`` or ``timeout`` is not a positive number, or both
+            ``context`` and ``mp_context`` are given.
 
     Safe to call from several threads at once.
 
@@ -78,14 +85,29 @@ def get_reusable_executor(
         max_workers = os.cpu_count() or 1
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers <= 0:
         raise ValueError(f"max_workers must be an int greater than 0, got {max_workers!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, str):
+        raise ValueError(
+            f"timeout must be a number of seconds > 0, got {timeout!r}; loky's second "
+            f"argument is its context: pass the start method by name, "
+            f"mp_context={timeout!r}"
+        )
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
+        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    if context is not None:
+        if mp_context is not None:
+            raise ValueError("give mp_context or context (loky's name for it), not both")
+        mp_context = context
+    if reuse not in ("auto", True, False):
+        raise ValueError(f"reuse must be 'auto', True or False, got {reuse!r}")
+    idle = None if timeout is None else float(timeout)
     settings = (
         start_method_of(mp_context),
         initializer,
         tuple(initargs),
         max_tasks_per_child,
-        float(timeout),
+        idle,
         task_timeout,
         retries,
         max_memory_per_child,
@@ -93,7 +115,7 @@ def get_reusable_executor(
     with _lock:
         executor = _executor
         if executor is not None and executor._dispatcher.alive() and not executor._shutdown:
-            if settings == _settings:
+            if settings == _settings and reuse:
                 if executor._max_workers != max_workers:
                     executor._max_workers = max_workers
                     executor._dispatcher.resize(max_workers)
@@ -111,7 +133,7 @@ def get_reusable_executor(
             task_timeout=task_timeout,
             retries=retries,
             max_memory_per_child=max_memory_per_child,
-            _idle_timeout=float(timeout),
+            _idle_timeout=idle,
         )
         _settings = settings
         return _executor

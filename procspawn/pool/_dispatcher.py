@@ -1041,6 +1041,11 @@ class Dispatcher:
     # -- deaths -----------------------------------------------------------------------------
 
     def _on_exit(self, worker: _Worker) -> None:
+        if self.state == STOPPING:
+            # terminate() came meanwhile (from another thread, maybe while this one read
+            # the worker's last message) and its SIGTERM may be this death: the stopping
+            # fails every task not done with the terminate's error, not as a death
+            return
         self._watcher.remove(worker.exit_fd)
         if not worker.reader.eof:
             self._read(worker)  # what it sent before it died is all there by now

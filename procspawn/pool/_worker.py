@@ -48,6 +48,9 @@ APPLY, MAP, STARMAP = 0, 1, 2
 _READY = pickle.dumps(("R",), pickle.HIGHEST_PROTOCOL)
 _STARTED = pickle.dumps(("s",), pickle.HIGHEST_PROTOCOL)
 _EXIT = pickle.dumps(None, pickle.HIGHEST_PROTOCOL)  # what the parent sends to say "exit"
+# what the parent's main module has of this one's (see _main_names): a forked worker's
+# inherited main module is its parent's, so its functions and classes go back by name
+_parent_has: str | None = None
 
 
 def main(
@@ -90,8 +93,9 @@ def main(
                 )
             _send_error(channel, "I", exc)
             sys.exit(1)
-        if forked:  # what it sends back of its inherited main module goes by name
-            _main_names.set_default(_main_names.INHERITED)
+        if forked:
+            global _parent_has
+            _parent_has = _main_names.INHERITED
             send_message(channel, _READY)
         else:
             ready = ("R", _main_names.main_index())
@@ -202,7 +206,8 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             continue
         del fn, payload
         try:
-            message = _pickler.dumps(("r", value))
+            with _main_names.sending_to(_parent_has):
+                message = _pickler.dumps(("r", value))
         except BaseException as exc:
             error = exc if executor else _encoding_error(exc, value)
             del value
@@ -233,7 +238,8 @@ def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: st
     text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc.__traceback__ = None
     try:
-        message = _pickler.dumps((tag, exc, text))
+        with _main_names.sending_to(_parent_has):
+            message = _pickler.dumps((tag, exc, text))
         _pickler.loads(message.data, [os.dup(fd) for fd in message.fds])  # it must load too
     except BaseException:
         message = _pickler.dumps((tag, None, text))

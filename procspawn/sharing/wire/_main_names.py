@@ -18,7 +18,7 @@ value. Who knows what the receiver has:
 * a forked worker has the very objects its parent's main module had at the fork: the
   parent takes a :func:`snapshot` then (name -> weak reference), and what was defined or
   redefined since goes by value; the worker sends back by name what its inherited main
-  module still has (:data:`INHERITED`, its default receiver: :func:`set_default`).
+  module still has (:data:`INHERITED`: its parent has the same objects).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any
 
 _local = threading.local()  # .index: the receiver's, while a message for it is pickled
 INHERITED = "inherited"  # a receiver that has this process' main module as it is now
-_default: dict[str, Any] | str | None = None  # when no sending_to() says
 _MAIN_MODULES = ("__main__", "__mp_main__")  # __mp_main__: the script imported again
 
 
@@ -82,8 +81,9 @@ def snapshot() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def sending_to(receiver_index: dict[str, Any] | None) -> Iterator[None]:
-    """Pickle, in this thread, for a receiver whose main module has ``receiver_index``."""
+def sending_to(receiver_index: dict[str, Any] | str | None) -> Iterator[None]:
+    """Pickle, in this thread, for a receiver whose main module has ``receiver_index``
+    (None: nothing known, everything of ``__main__`` by value)."""
     previous = getattr(_local, "index", None)
     _local.index = receiver_index
     try:
@@ -92,21 +92,12 @@ def sending_to(receiver_index: dict[str, Any] | None) -> Iterator[None]:
         _local.index = previous
 
 
-def set_default(receiver_index: dict[str, Any] | str | None) -> None:
-    """What every receiver has when no :func:`sending_to` says otherwise (a forked
-    worker: its parent's main module, which it inherited)."""
-    global _default
-    _default = receiver_index
-
-
 def by_name(obj: Any) -> bool:
     """Whether ``obj``, a function or class of ``__main__``, goes by name: the receiver
     has the same definition under its name, and so does this process."""
     receiver = getattr(_local, "index", None)
     if receiver is None:
-        receiver = _default
-        if receiver is None:
-            return False
+        return False
     name = getattr(obj, "__qualname__", None)
     if not isinstance(name, str) or getattr(sys.modules.get("__main__"), name, None) is not obj:
         return False  # (what pickle looks up by name must be obj)

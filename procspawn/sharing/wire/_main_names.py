@@ -11,8 +11,8 @@ argument is not the class the worker's own functions know (``isinstance`` fails)
 So the receiver's definitions go by name, as in the standard library, and only the rest by
 value. Who knows what the receiver has:
 
-* a pool worker started by spawn or forkserver says so when it is ready (:func:`index` of
-  its main module: name -> the definition's fingerprint, where it was defined), and the
+* a pool worker started by spawn or forkserver says so when it is ready
+  (:func:`main_index`: name -> the definition's fingerprint, where it was defined), and the
   parent pickles that worker's messages in :func:`sending_to` with it. A name the parent
   binds to another definition (one made only under the guard) goes by value;
 * a forked worker has the very objects its parent's main module had at the fork: the
@@ -52,31 +52,28 @@ def fingerprint(obj: Any) -> Any:
     return None
 
 
-def index(module: Any) -> dict[str, Any]:
-    """The functions and classes defined in ``module`` (a main module) under their own
-    names: name -> fingerprint."""
-    found: dict[str, Any] = {}
+def _definitions(module: Any) -> Iterator[tuple[str, Any]]:
+    """The functions and classes defined in ``module`` (a main module), under their own
+    names."""
     for name, value in list(getattr(module, "__dict__", {}).items()):
         if type(value) is not types.FunctionType and not isinstance(value, type):
             continue  # (never asks other objects anything: a proxy may raise)
         if value.__module__ in _MAIN_MODULES and value.__qualname__ == name:
-            found[name] = fingerprint(value)
-    return found
+            yield name, value
 
 
 def main_index() -> dict[str, Any]:
-    """:func:`index` of this process' main module."""
-    return index(sys.modules.get("__main__"))
+    """This process' main module's definitions: name -> fingerprint."""
+    return {name: fingerprint(value) for name, value in _definitions(sys.modules.get("__main__"))}
 
 
 def snapshot() -> dict[str, Any]:
-    """This process' main module's functions and classes, by name, held weakly: what a
-    child forked now has."""
+    """This process' main module's definitions, by name, held weakly: what a child forked
+    now has."""
     found: dict[str, Any] = {}
-    for name, value in list(getattr(sys.modules.get("__main__"), "__dict__", {}).items()):
-        if type(value) is types.FunctionType or isinstance(value, type):
-            with contextlib.suppress(TypeError):  # (a class without weak references)
-                found[name] = weakref.ref(value)
+    for name, value in _definitions(sys.modules.get("__main__")):
+        with contextlib.suppress(TypeError):  # (a class without weak references)
+            found[name] = weakref.ref(value)
     return found
 
 

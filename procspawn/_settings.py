@@ -13,7 +13,6 @@ import re
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 
@@ -27,13 +26,13 @@ class SettingError(ValueError):
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_BYTES = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+_BYTES = r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*"  # compiled at first use
 _FLAGS = {"": False, "0": False, "false": False, "no": False, "off": False}
 _FLAGS.update({"1": True, "true": True, "yes": True, "on": True})
 
 
 def _bytes(text: str) -> int:
-    match = _BYTES.fullmatch(text)
+    match = re.fullmatch(_BYTES, text, re.IGNORECASE)
     if match is None:
         raise ValueError("a number of bytes, as in 65536, 64k, 4M or 1G (binary units)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
@@ -68,16 +67,30 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
 }
 
 
-@dataclass(frozen=True)
 class Setting:
-    """One environment variable: its name, type, default and meaning."""
+    """One environment variable: its name, type, default and meaning. (A plain class: a
+    dataclass costs every process that imports procspawn's sharing a millisecond.)"""
 
-    name: str
-    kind: str  # "bytes", "seconds", "flag" or "name"
-    default: Any  # the value when unset; None: the reader's own default (``shown``)
-    meaning: str
-    shown: str = ""  # the default as the settings page shows it, when not the value itself
-    old_names: tuple[str, ...] = ()  # earlier names, still read (with a FutureWarning)
+    __slots__ = ("name", "kind", "default", "meaning", "shown", "old_names")
+
+    def __init__(
+        self,
+        name: str,
+        kind: str,  # "bytes", "seconds", "flag" or "name"
+        default: Any,  # the value when unset; None: the reader's own default (``shown``)
+        meaning: str,
+        shown: str = "",  # the default as the settings page shows it, if not the value
+        old_names: tuple[str, ...] = (),  # earlier names, still read (with a FutureWarning)
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        self.default = default
+        self.meaning = meaning
+        self.shown = shown
+        self.old_names = old_names
+
+    def __repr__(self) -> str:
+        return f"Setting({self.name!r}, {self.kind!r}, {self.default!r})"
 
     def parse(self, text: str) -> Any:
         try:

@@ -153,3 +153,23 @@ def eat_memory_in_cgroup(procs_file, nbytes):
         block[::4096] = b"x" * len(block[::4096])
         blocks.append(block)
     return len(blocks)
+
+
+def nested_pool_map(n):
+    """A pool of its own, inside a pool's worker: its results, or the error's text."""
+    import procspawn
+
+    try:
+        with procspawn.Pool(2) as pool:
+            return pool.map(square, range(n))
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def nested_executor_and_spawn(n):
+    import procspawn
+
+    with procspawn.ProcessPoolExecutor(2) as ex:
+        mapped = list(ex.map(square, range(n)))
+    reusable = procspawn.get_reusable_executor(2, timeout=5)  # kept after the call
+    return mapped, reusable.submit(square, n).result(), procspawn.spawn(add, args=(n,), nprocs=2)

@@ -5,6 +5,7 @@ threads at once. Every wait has a deadline."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import gc
 import multiprocessing
 import os
 import signal
@@ -25,6 +26,8 @@ from _pool_workers import (
     exit_initializer,
     get_state,
     make_array,
+    nested_executor_and_spawn,
+    nested_pool_map,
     pid_of,
     raise_value_error,
     return_lock,
@@ -448,6 +451,60 @@ def test_the_reusable_executor_takes_lokys_arguments(reusable):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_an_executors_worker_may_start_processes_a_pools_may_not(start_method):
+    """As the stdlib's: a call on an executor may run a pool, an executor, the reusable
+    executor or spawn() of its own (the worker is not daemonic to itself); a Pool's
+    worker is daemonic, and procspawn says so in the caller instead of asserting."""
+    with mp.ProcessPoolExecutor(1, mp_context=start_method) as ex:
+        assert ex.submit(nested_executor_and_spawn, 3).result(DEADLINE) == (
+            [0, 1, 4],
+            9,
+            [3, 4],
+        )
+    with mp.Pool(1, context=start_method) as pool:
+        message = pool.apply(nested_pool_map, (3,))
+    assert "daemonic" in message and "ProcessPoolExecutor" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_nobody_holds_works_as_long_as_its_results_are_held():
+    """``Pool(2).apply_async(f)``: the stdlib's results hold their pool, so the call
+    runs; ours terminated the pool the caller dropped (RuntimeError at get()). Once its
+    last result goes too, the pool is terminated and its workers exit."""
+    result = mp.Pool(2, context="fork").apply_async(slow_square, (3, 0.3))
+    it = mp.Pool(2, context="fork").imap(slow_square, range(4))
+    gc.collect()
+    assert result.get(DEADLINE) == 9
+    assert [it.next(DEADLINE) for _ in range(4)] == [0, 1, 4, 9]
+    pids = [p.pid for r in (result, it) for p in r._pool._dispatcher.workers()]
+    assert len(pids) == 4
+    with pytest.warns(ResourceWarning, match="unclosed running"):
+        del result, it
+        gc.collect()
+    deadline = time.monotonic() + DEADLINE
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        assert time.monotonic() < deadline, "the dropped pools' workers did not exit"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+def test_the_reusable_executor_with_an_array_in_initargs(reusable):
+    """The same array in initargs is the same settings; another one (equal or not) makes
+    a new executor, where comparing the settings raised (an array's == has no truth
+    value)."""
+    data = np.arange(4.0)
+    ex = reusable(max_workers=1, initializer=set_state, initargs=(data,))
+    assert ex.submit(get_state).result(DEADLINE).tolist() == [0, 1, 2, 3]
+    assert reusable(max_workers=1, initializer=set_state, initargs=(data,)) is ex
+    equal = reusable(max_workers=1, initializer=set_state, initargs=(np.arange(4.0),))
+    assert equal.submit(get_state).result(DEADLINE).tolist() == [0, 1, 2, 3]
+    other = reusable(max_workers=1, initializer=set_state, initargs=(np.arange(8.0),))
+    assert other is not ex
+    assert other.submit(get_state).result(DEADLINE).tolist() == list(range(8))
+
+
+@pytest.mark.timeout(90)
 def test_the_reusable_executor_is_replaced_after_it_broke(reusable):
     ex = reusable(max_workers=1)
     from _pool_workers import die
@@ -539,6 +596,167 @@ def test_ctrl_c_gives_one_traceback_and_leaves_nothing(kind, start_method):
     while _group_alive(proc.pid):
         assert time.monotonic() < deadline, f"left alive: {_group_alive(proc.pid)}"
         time.sleep(0.05)
+
+
+_BOOT_SCRIPT = """
+import sys, time
+import procspawn as mp
+from _pool_workers import square
+
+if __name__ == "__mp_main__":  # a worker importing the script again, as a heavy one would
+    print("worker booting", flush=True)
+    time.sleep(2)
+
+if __name__ == "__main__":
+    kind, method = sys.argv[1:]
+    if method == "forkserver":
+        mp.set_forkserver_preload(["_slow_preload"])  # the server is slow to start, too
+    if kind == "pool":
+        with mp.Pool(2, context=method) as pool:
+            pool.apply(square, (3,))
+    else:
+        with mp.ProcessPoolExecutor(2, mp_context=method) as ex:
+            ex.submit(square, 3).result()
+"""
+
+_SLOW_PRELOAD = """
+import time
+print("server preloading", flush=True)
+time.sleep(2)
+"""
+
+
+def _run_and_ctrl_c(args: list[str], cue: str, tmp_path, env_extra: dict) -> tuple[str, str]:
+    """Run ``args`` in a group of its own, Ctrl-C the group (as a terminal does) once
+    ``cue`` is on its stdout; its output, once every process of the group is gone."""
+    env = dict(script_env(), **env_extra)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        start_new_session=True,
+    )
+    try:
+        seen = []
+        deadline = time.monotonic() + DEADLINE
+        while cue not in "".join(seen):
+            assert time.monotonic() < deadline, f"no {cue!r} in {seen}"
+            line = proc.stdout.readline()
+            assert line, f"the script ended before {cue!r}: {seen} {proc.stderr.read()}"
+            seen.append(line)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=DEADLINE)
+        deadline = time.monotonic() + 15
+        while _group_alive(proc.pid):
+            assert time.monotonic() < deadline, f"left alive: {_group_alive(proc.pid)}"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return "".join(seen) + out, err
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "kind, start_method, cue",
+    [
+        ("pool", "spawn", "worker booting"),
+        ("pool", "forkserver", "server preloading"),
+        ("executor", "forkserver", "worker booting"),
+    ],
+)
+def test_ctrl_c_while_the_workers_start_gives_one_traceback(kind, start_method, cue, tmp_path):
+    """A Ctrl-C that lands while a worker boots (its interpreter starting, the script
+    imported again) or while the fork server imports its preload list: only the parent
+    reports it. Neither process has its own SIGINT handler yet; they get SIGINT blocked
+    from the parent and take it only once they have."""
+    (tmp_path / "boot.py").write_text(_BOOT_SCRIPT)
+    (tmp_path / "_slow_preload.py").write_text(_SLOW_PRELOAD)
+    tests = os.path.join(ROOT, "tests")
+    path = os.pathsep.join([str(tmp_path), tests, ROOT])
+    out, err = _run_and_ctrl_c(
+        [sys.executable, "boot.py", kind, start_method], cue, tmp_path, {"PYTHONPATH": path}
+    )
+    assert err.count("Traceback") == 1, err
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+
+
+_TERMINATE_SCRIPT = """
+import signal, sys, time
+import procspawn as mp
+
+def stubborn(x):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    how, method = sys.argv[1:]
+    pool = mp.Pool(1, context=method)
+    pool.apply_async(stubborn, (1,))
+    time.sleep(0.5)  # it runs, deaf to SIGTERM: terminate() waits out the grace period
+    print("terminating", flush=True)
+    begun = time.monotonic()
+    try:
+        if how == "with":
+            with pool:
+                pass
+        else:
+            pool.terminate()
+    except KeyboardInterrupt:
+        print("interrupted after", round(time.monotonic() - begun, 1), flush=True)
+    else:
+        print("returned", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["terminate", "with"])
+def test_ctrl_c_while_terminate_waits_is_raised_once_the_workers_are_gone(how, tmp_path):
+    """terminate() (or leaving ``with``) waits out the grace period for a worker deaf to
+    SIGTERM; a Ctrl-C meanwhile kills it at once and is the caller's KeyboardInterrupt,
+    not swallowed (the program went on as if nothing had been pressed)."""
+    (tmp_path / "stubborn.py").write_text(_TERMINATE_SCRIPT)
+    out, err = _run_and_ctrl_c(
+        [sys.executable, "stubborn.py", how, "forkserver"],
+        "terminating",
+        tmp_path,
+        {"PROCSPAWN_GRACE_PERIOD": "20"},
+    )
+    assert "returned" not in out, out + err
+    seconds = float(out.split("interrupted after")[1].split()[0])
+    assert seconds < 10, out  # the Ctrl-C cut the grace period short
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("forked", [True, False])
+def test_a_worker_whose_parent_closed_its_channel_exits_quietly(forked):
+    """The parent stopped (a Ctrl-C while the pool started) before this worker said it
+    was ready: the worker's first message finds the channel closed, and it leaves
+    without a BrokenPipeError traceback."""
+    code = textwrap.dedent(
+        f"""
+        import os, socket
+        from procspawn.pool import _worker
+        from procspawn.sharing.segments import _strategy
+
+        class Payload:
+            def load(self):
+                return None, (), _strategy.snapshot(), False, {forked}
+
+        parent_end, child_end = socket.socketpair()
+        parent_end.close()
+        _worker.main(Payload(), child_end, os.getppid(), False, None)
+        print("left quietly")
+        """
+    )
+    result = run_script(code, timeout=50)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "left quietly\n", "")
 
 
 @pytest.mark.timeout(60)

@@ -277,6 +277,30 @@ def test_progress_counts_a_retried_task_once(tmp_path):
     assert (shown.count, shown.total) == (6, 6)
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_killing_a_running_call_and_the_one_queued_behind_it_leaves_the_rest_running(
+    start_method,
+):
+    """The killed worker held a second call, killed too (at once, while queued): that
+    call fails once and is not handed out again when its worker dies (the dispatcher
+    thread died on it, breaking the executor); the calls after it run."""
+    with mp.ProcessPoolExecutor(1, mp_context=start_method) as ex:
+        first = ex.submit(sleep_then_pid, 5.0)
+        second = ex.submit(sleep_then_pid, 5.0)
+        third = ex.submit(square, 3)  # more waiting than workers: it prefetches
+        deadline = time.monotonic() + DEADLINE
+        while not (first.running() and second.running()):  # both handed to the worker
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert second.kill() is True
+        assert first.kill() is True
+        for killed in (first, second):
+            with pytest.raises(cf.CancelledError):
+                killed.result(DEADLINE)
+        assert third.result(DEADLINE) == 9
+        assert ex.submit(square, 4).result(DEADLINE) == 16
+
+
 def test_kill_of_a_call_queued_behind_another_fails_it_alone():
     """A worker may hold a second call of the same function, queued behind the one it
     runs: killing that one fails it at once and leaves the running call alone."""

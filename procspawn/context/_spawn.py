@@ -33,7 +33,7 @@ from . import _worker
 from ._errors import ctrl_c_in_caller
 from ._process_context import ProcessContext
 from ._progress import Progress, as_progress
-from .launch._child import parent_death_signal_is_safe, start_child
+from .launch._child import check_can_start_children, parent_death_signal_is_safe, start_child
 from .launch._start_method import get_start_method
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -289,6 +289,7 @@ def start_processes(
     if start_method is None:
         start_method = get_start_method()
     args, kwargs = _check(fn, args, kwargs, nprocs, start_method, join, timeout, grace_period)
+    check_can_start_children("procspawn.spawn")
     shown = as_progress(progress)
     config = _child_config()
     if shown is not None:

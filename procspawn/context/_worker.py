@@ -46,6 +46,9 @@ def main(
             _report(channel, exc, "while unpickling the arguments in the child: ")
             sys.exit(1)
         try:
+            # blocked since the parent started us (see sigint_blocked): a Ctrl-C that
+            # came meanwhile is this rank's KeyboardInterrupt now, as if fn had begun
+            _posix.unblock_sigint()
             result = fn(rank, *args, **kwargs)
         except SystemExit:
             raise

@@ -55,7 +55,11 @@ from ..context._watch import (
     stop,
     unknown_exit_text,
 )
-from ..context.launch._child import parent_death_signal_is_safe, start_child
+from ..context.launch._child import (
+    check_can_start_children,
+    parent_death_signal_is_safe,
+    start_child,
+)
 from ..context.launch._forkserver import preload_also
 from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing._message import Message
@@ -85,7 +89,7 @@ RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
 class Task:
     """One message's worth of work: a call, or a chunk of a map."""
 
-    __slots__ = ("job", "index", "kind", "payload", "deaths")
+    __slots__ = ("job", "index", "kind", "payload", "deaths", "settled")
 
     def __init__(self, job: Job, index: int, kind: int, payload: Any) -> None:
         self.job = job
@@ -93,6 +97,10 @@ class Task:
         self.kind = kind
         self.payload = payload
         self.deaths = 0  # workers that died running it (it is retried up to ``retries``)
+        # its job was told its outcome: never handed out again (one killed while queued
+        # behind another call stays in its worker's list until that worker answers or
+        # dies, and must not run elsewhere then)
+        self.settled = False
 
 
 class Job:
@@ -234,6 +242,9 @@ class Dispatcher:
         max_memory: bytes; a worker whose resident memory is above it after a task
             exits (once its queued task is done) and a new one takes its place.
         name: for thread and process names.
+
+    Raises:
+        RuntimeError: this process is daemonic and may not start workers.
     """
 
     def __init__(
@@ -252,6 +263,8 @@ class Dispatcher:
         max_memory: int | None = None,
         name: str = "pool",
     ) -> None:
+        kind = {"pool": "Pool", "executor": "ProcessPoolExecutor"}.get(name, name)
+        check_can_start_children(f"procspawn.{kind}")
         self.size = processes
         self.task_timeout = task_timeout
         self.retries = retries
@@ -437,10 +450,15 @@ class Dispatcher:
         grace_period: float | None = None,
         error: BaseException | None = None,
         wait: bool = True,
+        ctrl_c_raises: bool = True,
     ) -> None:
         """Stop every worker now (SIGTERM, SIGKILL after the grace period); tasks not done
-        fail with ``error`` (default: the pool was terminated). ``wait``: until done (a
-        second Ctrl-C meanwhile only cuts the grace period short)."""
+        fail with ``error`` (default: the pool was terminated). ``wait``: until done.
+
+        A Ctrl-C while it waits cuts the grace period short (the workers are killed and
+        reaped all the same), then raises KeyboardInterrupt here, unless one is already
+        on its way (this stopping is that Ctrl-C's: the second only hurries it) or
+        ``ctrl_c_raises`` is false (at the program's exit)."""
         grace = self._grace if grace_period is None else grace_period
         procs: list[BaseProcess] = []
         with self._lock:
@@ -456,8 +474,17 @@ class Dispatcher:
             send_signal(proc, signal.SIGTERM)
         self._watcher.wake()
         if wait:
-            with sigint_held(self._hurry):
+            interrupted: list[bool] = []
+
+            def hurry() -> None:
+                interrupted.append(True)
+                self._hurry()
+
+            with sigint_held(hurry):
                 self.join()
+            handling = sys.exc_info()[1]
+            if interrupted and ctrl_c_raises and not isinstance(handling, KeyboardInterrupt):
+                raise KeyboardInterrupt
 
     def _hurry(self) -> None:
         self._stop_grace = 0.0
@@ -617,6 +644,8 @@ class Dispatcher:
                 output=self._output,
                 key=slot,
                 name=f"procspawn-{self.name}-worker-{slot}",
+                # daemonic: never waited for at exit (an executor's worker drops the
+                # flag on its side, to start processes of its own as the stdlib's can)
                 daemon=True,
             )
         except BaseException:
@@ -834,7 +863,7 @@ class Dispatcher:
                 if not self._pending:
                     return
                 task = self._pending.popleft()
-            if not task.job.start(task):
+            if task.settled or not task.job.start(task):
                 continue
             message = self._message_for(worker, task)
             if message is None:
@@ -1129,6 +1158,7 @@ class Dispatcher:
         self._fill()
 
     def _requeue(self, tasks: list[Task]) -> None:
+        tasks = [task for task in tasks if not task.settled]
         if not tasks:
             return
         with self._lock:
@@ -1215,6 +1245,7 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 def _settle(task: Task, ok: bool, value: Any) -> None:
     job = task.job
     task.payload = None
+    task.settled = True
     try:
         job.settle(task, ok, value)
     except Exception:
@@ -1267,7 +1298,7 @@ def _at_exit() -> None:
             dispatcher.close()
             dispatcher.join()
         else:
-            dispatcher.terminate()
+            dispatcher.terminate(ctrl_c_raises=False)
 
 
 atexit.register(_at_exit)

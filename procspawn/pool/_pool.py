@@ -94,6 +94,9 @@ class ApplyResult(Generic[_T]):
         error_callback: Callable[[BaseException], object] | None,
     ) -> None:
         self._dispatcher = dispatcher
+        # the Pool that made it, held as the stdlib's results hold theirs: one dropped
+        # by the caller (``Pool(2).apply_async(f)``) is not terminated while it works
+        self._pool: object = None
         self._event = threading.Event()
         self._callback = callback
         self._error_callback = error_callback
@@ -289,6 +292,7 @@ class IMapIterator(Generic[_T]):
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
+        self._pool: object = None  # the Pool that made it (see ApplyResult)
         self._cond = threading.Condition(threading.Lock())
         self._items: dict[int, tuple[bool, Any]] = {}  # chunk index -> outcome
         self._buffer: list[Any] = []  # values of the current chunk not yet taken
@@ -612,6 +616,7 @@ class Pool:
         """
         self._check_running()
         result: _CallResult[_T] = _CallResult(self._dispatcher, callback, error_callback)
+        result._pool = self  # a pool nobody else holds lives as long as its results
         job = _ApplyJob(func, result)
         result.job = job
         self._dispatcher.submit([Task(job, 0, _worker.APPLY, (tuple(args), dict(kwds or {})))])
@@ -774,6 +779,7 @@ class Pool:
         if kind == _worker.STARMAP:
             items = [tuple(item) for item in items]
         result: MapResult[Any] = MapResult(self._dispatcher, len(items), callback, error_callback)
+        result._pool = self
         if shown is not None:
             shown._count_here(len(items))
             result._progress = shown
@@ -853,6 +859,7 @@ class Pool:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
         shown = as_progress(progress)
         it = cls(self._dispatcher)
+        it._pool = self
         if shown is not None:
             try:
                 # an Iterable may have a length (a TypeError says it has none)

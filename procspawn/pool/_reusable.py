@@ -115,7 +115,7 @@ def get_reusable_executor(
     with _lock:
         executor = _executor
         if executor is not None and executor._dispatcher.alive() and not executor._shutdown:
-            if settings == _settings and reuse:
+            if reuse and _same(settings, _settings):
                 if executor._max_workers != max_workers:
                     executor._max_workers = max_workers
                     executor._dispatcher.resize(max_workers)
@@ -137,6 +137,16 @@ def get_reusable_executor(
         )
         _settings = settings
         return _executor
+
+
+def _same(settings: tuple[Any, ...], previous: tuple[Any, ...] | None) -> bool:
+    """Whether two calls' settings are the same. A tuple compares its items by identity
+    first, so the same NumPy array in ``initargs`` is the same setting; a different one,
+    whose ``==`` has no truth value, makes a new executor (its contents may differ)."""
+    try:
+        return bool(settings == previous)
+    except Exception:
+        return False
 
 
 __all__ = ["get_reusable_executor"]

@@ -26,6 +26,7 @@ parent reports it as that task's death.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -74,12 +75,18 @@ def main(
     # Ctrl-C is the parent's to handle: it stops the workers itself, quietly. A handler
     # (not SIG_IGN, which a program the task runs would inherit) keeps the signal away.
     _set_handler(signal.SIGINT, _ignore)
+    _posix.unblock_sigint()  # blocked since the parent started us (see sigint_blocked)
     try:
         try:
             initializer, initargs, strategy, executor, forked = payload.load()
             from ..sharing.segments import _strategy
 
             _strategy.restore(strategy)
+            if executor:
+                # the stdlib's executor workers are not daemonic: a call may start a pool,
+                # an executor or spawn() of its own (multiprocessing refuses children to a
+                # daemonic process). The parent still sees a daemon (never joined at exit).
+                multiprocessing.current_process().daemon = False
             if initializer is not None:
                 _as_in_main(initializer)(*initargs)
         except SystemExit:
@@ -93,14 +100,17 @@ def main(
                 )
             _send_error(channel, "I", exc)
             sys.exit(1)
-        if forked:
-            global _parent_has
-            _parent_has = _main_names.INHERITED
-            send_message(channel, _READY)
-        else:
-            ready = ("R", _main_names.main_index())
-            send_message(channel, pickle.dumps(ready, pickle.HIGHEST_PROTOCOL))
-        _serve(channel, max_tasks, executor)
+        try:
+            if forked:
+                global _parent_has
+                _parent_has = _main_names.INHERITED
+                send_message(channel, _READY)
+            else:
+                ready = ("R", _main_names.main_index())
+                send_message(channel, pickle.dumps(ready, pickle.HIGHEST_PROTOCOL))
+            _serve(channel, max_tasks, executor)
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+            pass  # the parent closed our channel (it is stopping us, or gone): quietly
     finally:
         channel.close()
 

@@ -13,10 +13,12 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..._output import OutputForwarder
+from . import _posix
 from ._forkserver import RankForkServerProcess
 from ._popen import EarlyRedirect, RankSpawnProcess, RedirectFds
 
@@ -65,11 +67,29 @@ def start_child(
                 target=target, args=(*args, RedirectFds(redirect)), name=name
             )
         proc.daemon = daemon
-        proc.start()
+        if start_method != "fork":
+            # started now if need be, before SIGINT is blocked here: its own start
+            # unblocks SIGINT in this thread when it is done
+            resource_tracker.ensure_running()
+        with _posix.sigint_blocked():  # the child unblocks it once it has its handler
+            proc.start()
     finally:
         for fd in redirect.values():
             os.close(fd)
     return proc
+
+
+def check_can_start_children(what: str) -> None:
+    """Raise, in the caller, what ``Process.start`` would only assert: a daemonic process
+    (a ``Pool``'s worker, a ``Process(daemon=True)``) may not have children."""
+    if multiprocessing.current_process().daemon:
+        raise RuntimeError(
+            f"{what} cannot start processes here: this process is daemonic (a Pool's "
+            "worker, or a Process started with daemon=True), and multiprocessing lets no "
+            "daemonic process have children. Run the outer work on a "
+            "ProcessPoolExecutor or with procspawn.spawn() (their workers and ranks are "
+            "not daemonic), or do the inner work in this process."
+        )
 
 
 def parent_death_signal_is_safe(start_method: str) -> bool:

@@ -19,13 +19,15 @@ of the moment the server started).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
-from multiprocessing import forkserver, popen_forkserver, util
+from multiprocessing import forkserver, popen_forkserver, resource_tracker, util
 from multiprocessing.context import ForkServerProcess
 from typing import Any
 
+from . import _posix
 from ._popen import pickle_for_child
 
 # What every child imports to run: loaded once, in the server.
@@ -52,6 +54,22 @@ PRELOAD_IF_IMPORTED = {
 
 _user_preload: list[str] = []
 _server = forkserver.ForkServer()
+
+
+def _forget_server_in_child() -> None:
+    """In a forked child (a fork-method worker, a program's own ``os.fork()``): a server
+    of its own when it needs one. Its parent's would fork children that are not this
+    process' own, which it cannot wait for (ECHILD: "the pool could not start a worker
+    process"), and the parent's server keeps running only as long as the parent."""
+    global _server
+    inherited = getattr(_server, "_forkserver_alive_fd", None)
+    if inherited is not None:
+        with contextlib.suppress(OSError):
+            os.close(inherited)
+    _server = forkserver.ForkServer()
+
+
+os.register_at_fork(after_in_child=_forget_server_in_child)
 
 
 def _preload() -> list[str]:
@@ -102,13 +120,17 @@ def _connect(fds: list[int]) -> tuple[int, int]:
     """``connect_to_new_process`` of our server, started (with today's preload list)
     first if it is not running."""
     _server.set_forkserver_preload(_preload())  # read only when the server (re)starts
-    return _server.connect_to_new_process(fds)
+    resource_tracker.ensure_running()  # (re)started first: its start unblocks SIGINT
+    with _posix.sigint_blocked():  # a server started now never sees a SIGINT
+        return _server.connect_to_new_process(fds)
 
 
 def ensure_running() -> None:
     """Start the server now (it starts by itself at the first forkserver spawn)."""
     _server.set_forkserver_preload(_preload())
-    _server.ensure_running()
+    resource_tracker.ensure_running()
+    with _posix.sigint_blocked():
+        _server.ensure_running()
 
 
 class _Popen(popen_forkserver.Popen):

@@ -12,12 +12,14 @@ Two layers, because either alone has a hole:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -97,3 +99,28 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while it starts a child (the stdlib does the same
+    for its resource tracker, bpo-33613).
+
+    The child inherits the mask (fork keeps it, and so does exec), so a Ctrl-C that lands
+    while it boots (an interpreter importing ``site``, the main module imported again, the
+    fork server importing its preload list) waits, pending, instead of printing a
+    traceback from a process half-started. The child unblocks SIGINT once it has its own
+    handler (``unblock_sigint``); a server forked from keeps it blocked for good (it
+    ignores SIGINT anyway), and its children unblock it as any other.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def unblock_sigint() -> None:
+    """In a child started under ``sigint_blocked``, once its SIGINT handler is set: a
+    Ctrl-C held back while it booted reaches that handler now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))

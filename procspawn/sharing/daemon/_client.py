@@ -95,6 +95,7 @@ def _start_daemon(address: str) -> socket.socket | None:
                 stdout=subprocess.DEVNULL,
                 stderr=None if _log.enabled() else subprocess.DEVNULL,
                 close_fds=True,
+                start_new_session=True,  # a Ctrl-C to our group cannot stop it starting
             )
             proc.wait()  # the middle process exits once the daemon has forked off
         except BaseException:

@@ -141,3 +141,81 @@ def test_the_holder_table_grows_past_its_first_page_and_shrinks_back_to_nothing(
             channel.join_thread()
     finally:
         mp.set_sharing_strategy("file_descriptor")
+
+
+_PRODUCER_AT_A_LOW_LIMIT = """
+import resource, sys, time
+import numpy as np
+import procspawn as mp
+from procspawn import sharing
+
+def produce(q, n):
+    for i in range(n):
+        q.put(np.full(32_768, float(i)))  # 256 KiB, fresh: a segment of its own each
+    q.put(None)
+
+if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    strategy = sys.argv[1]
+    if strategy != "default":
+        sharing.set_sharing_strategy(strategy)
+    q = mp.Queue()
+    producer = mp.Process(target=produce, args=(q, 2000))
+    producer.start()
+    time.sleep(2)  # a slow consumer: the producer's backlog waits in its feeder
+    got = []
+    while (item := q.get(timeout=60)) is not None:
+        got.append(float(item[0]))
+    producer.join(60)
+    print(producer.exitcode, got == [float(i) for i in range(2000)])
+"""
+
+
+@pytest.mark.parametrize("strategy", ["file_system", "default"])
+def test_a_producer_at_a_low_descriptor_limit_far_ahead_of_its_consumer(strategy, tmp_path):
+    """2,000 fresh arrays put while the consumer waits, at a limit of 64 descriptors: the
+    messages waiting in the producer name their segments once it has used half its
+    descriptors (each carried one: the producer died of EMFILE, a bare OSError, once its
+    channel was full, and the consumer waited for the rest). By default the producer
+    moves to file_system segments as it nears its limit, then the same."""
+    from _helpers import run_file
+
+    script = tmp_path / "producer.py"
+    script.write_text(_PRODUCER_AT_A_LOW_LIMIT.replace("sys.argv[1]", repr(strategy)))
+    result = run_file(str(script), timeout=150)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "True"], result.stdout + result.stderr
+
+
+_SLOW_IMAP_CONSUMER = """
+import resource, time
+import numpy as np
+import procspawn as mp
+
+def double(x):
+    return x * 2
+
+if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    with mp.Pool(2) as pool:
+        arrays = (np.full(100_000, float(i)) for i in range(400))  # 800 KiB: a segment each
+        firsts = []
+        for i, result in enumerate(pool.imap(double, arrays)):
+            firsts.append(float(result[0]))
+            if i == 5:
+                time.sleep(3)  # the workers go on; their results wait for us
+        print(firsts == [2.0 * i for i in range(400)], pool.apply(sum, ([1, 2],)))
+"""
+
+
+def test_an_imap_over_arrays_with_a_slow_consumer_at_a_low_descriptor_limit(tmp_path):
+    """Each result waiting for the caller holds a descriptor (file_descriptor): the
+    results done ahead are kept under a quarter of the limit, so a caller that holds
+    one result at a time gets them all (it got FdLimitError after about 40 at 64)."""
+    from _helpers import run_file
+
+    script = tmp_path / "slow_imap.py"
+    script.write_text(_SLOW_IMAP_CONSUMER)
+    result = run_file(str(script), timeout=150)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "3"], result.stdout + result.stderr

@@ -865,3 +865,18 @@ def test_numpy_reducers_load_with_the_first_array_and_share_every_array_of_it():
     )
     result = run_script(code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_segment_larger_than_memory_and_swap_is_refused_up_front():
+    """A memfd is sized without being filled: one for a broadcast view of 800 GB
+    (np.broadcast_to, 8 bytes of data) was made, then filled page by page until the
+    out-of-memory killer struck. It raises MemoryError at once, as the stdlib's pickle
+    does, and nothing is allocated. (Only the segment is asked for here: an array that
+    large sent through a pool would be filled, and take the machine down, if the check
+    were gone.)"""
+    from procspawn.sharing.segments._file_descriptor import FileDescriptorStrategy
+
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(MemoryError, match="800,000,000,000 bytes cannot be made"):
+        FileDescriptorStrategy().allocate(800_000_000_000)
+    assert len(os.listdir("/proc/self/fd")) == fds

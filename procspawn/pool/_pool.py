@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import resource
+import sys
 import threading
 import time
 import warnings
@@ -27,6 +29,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, as_progress
 from ..context.launch._start_method import get_start_method
+from ..sharing._errors import raise_fd_limit
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 
@@ -339,6 +342,7 @@ class IMapIterator(Generic[_T]):
                         return item
                     outcome = self._take_next()
                     if outcome is not None:
+                        self._cond.notify_all()  # the feeder may wait for room
                         ok, value = outcome
                         if not ok:
                             raise value
@@ -390,11 +394,12 @@ class IMapIterator(Generic[_T]):
             self._input_error = error
             self._cond.notify_all()
 
-    def _wait_room(self, sent: int, ahead: int) -> bool:
-        """The feeder: wait until fewer than ``ahead`` chunks are being worked on; False
-        once the job was abandoned (the caller stopped or the pool ended)."""
+    def _wait_room(self, sent: int, ahead: int, room: int) -> bool:
+        """The feeder: wait until fewer than ``ahead`` chunks are being worked on and
+        fewer than ``room`` wait for the caller (done or not); False once the job was
+        abandoned (the caller stopped or the pool ended)."""
         with self._cond:
-            while sent - self._settled >= ahead:
+            while sent - self._settled >= ahead or sent - self._next_chunk >= room:
                 if self.job is None or self.job.abandoned or not self._dispatcher.alive():
                     return False
                 self._cond.wait(0.5)
@@ -871,10 +876,11 @@ class Pool:
         job = _IMapJob(func, it)
         it.job = job
         ahead = max(2, _FEED_AHEAD * self._processes)
+        room = _results_room(chunksize, ahead)
         self._dispatcher.feeding(+1)
         threading.Thread(
             target=_feed,
-            args=(self._dispatcher, job, it, iter(iterable), chunksize, ahead),
+            args=(self._dispatcher, job, it, iter(iterable), chunksize, ahead, room),
             name="procspawn-pool-imap-feeder",
             daemon=True,
         ).start()
@@ -922,6 +928,22 @@ class Pool:
                 dispatcher.request(functools.partial(dispatcher.terminate, wait=False))
 
 
+def _results_room(chunksize: int, ahead: int) -> int:
+    """imap: how many chunks' results may wait for a caller that takes them slowly.
+
+    Under the ``file_descriptor`` strategy each array of a result waiting to be taken
+    holds a descriptor: a slow consumer of an imap over arrays ran the parent out of
+    them (FdLimitError, the rest of the results lost) at a limit of 1,024. The results
+    waiting are kept under a quarter of the limit (one array per item counted): no bound
+    in effect where the limit is high (procspawn lifts the soft limit to the hard one),
+    as the stdlib's imap has none."""
+    raise_fd_limit()
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return sys.maxsize
+    return max(ahead, soft // (4 * chunksize))
+
+
 def _feed(
     dispatcher: Dispatcher,
     job: _IMapJob,
@@ -929,14 +951,16 @@ def _feed(
     source: Iterator[Any],
     chunksize: int,
     ahead: int,
+    room: int,
 ) -> None:
     """imap's input, read in a thread of its own (a slow or blocking iterable never holds
-    up the dispatcher), at most ``ahead`` chunks ahead of what the caller has taken."""
+    up the dispatcher): at most ``ahead`` chunks worked on at once, and ``room`` waiting
+    for the caller (see ``_results_room``)."""
     sent = 0
     error: BaseException | None = None
     try:
         while True:
-            if not it._wait_room(sent, ahead):
+            if not it._wait_room(sent, ahead, room):
                 break
             chunk = []
             try:

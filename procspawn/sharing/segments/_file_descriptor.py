@@ -46,10 +46,36 @@ def _segment(fd: int, size: int, key: Any) -> Segment:
         raise
 
 
+_BIG = 1 << 30  # segments from this size up are checked against the machine's memory
+
+
+def _check_fits(nbytes: int) -> None:
+    """A memfd is sized without being filled, so one larger than all memory and swap is
+    made at once, then filled page by page until the out-of-memory killer stops the
+    program (any program). Refuse it up front, as malloc does (MemoryError)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(("MemTotal:", "SwapTotal:")):
+                    total += int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return
+    if total and nbytes > total:
+        raise MemoryError(
+            f"a shared-memory segment of {nbytes:,} bytes cannot be made: this machine has "
+            f"{total:,} bytes of memory and swap in all. An array sent is copied whole: a "
+            "broadcast or zero-stride view (np.broadcast_to, as_strided) is as large as "
+            "its shape says. Send its base array, or a smaller one."
+        )
+
+
 class FileDescriptorStrategy(SharingStrategy):
     """memfd segments whose descriptors are passed with the message."""
 
     def allocate(self, nbytes: int) -> Segment:
+        if nbytes > _BIG:
+            _check_fits(nbytes)
         raise_fd_limit()
         with _fd_limit("a new shared-memory segment could not be created"):
             fd = os.memfd_create("procspawn", os.MFD_CLOEXEC)

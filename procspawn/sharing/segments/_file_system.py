@@ -32,6 +32,7 @@ import collections
 import errno
 import fcntl
 import os
+import resource
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -89,6 +90,16 @@ def _map_named(fd: int, name: str, size: int) -> Segment:
 # beyond that, so neither end of a message needs more than a few descriptors at once
 # (this is the strategy for low fd limits).
 FDS_PER_MESSAGE = 32
+
+
+def _short_of_descriptors(lowest_free: int) -> bool:
+    """Whether this process has used half its descriptors: ``lowest_free`` was just
+    opened, and a new descriptor takes the lowest number free, so every one below it is
+    in use. A message then names its segments instead of carrying a descriptor for each
+    while it waits to be sent: a producer far ahead of its consumer (a Queue's backlog)
+    holds none for its backlog, and never runs out of them for it."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft != resource.RLIM_INFINITY and lowest_free >= soft // 2
 
 
 def _open_for_message(name: str, share: bool) -> int:
@@ -285,14 +296,19 @@ class FileSystemStrategy(SharingStrategy):
         # descriptor to keep) even if the sender dropped it, or died, before it was received.
         state.keepalive.append(segment)
         fd = _open_for_message(name, share=not segment.recycled)
-        if len(state.owned) < FDS_PER_MESSAGE:
-            index = state.give_fd(fd)
-            _message_slot(name, fd, "transfer", state)
-            return (index, name, segment.size, "transfer")
         try:
-            _message_slot(name, fd, "inflight", state)
-        finally:
-            os.close(fd)
+            if len(state.owned) < FDS_PER_MESSAGE and not _short_of_descriptors(fd):
+                index = state.give_fd(fd)
+                _message_slot(name, fd, "transfer", state)
+                return (index, name, segment.size, "transfer")
+            try:
+                _message_slot(name, fd, "inflight", state)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise FdLimitError(f"shared segment {name} could not be sent") from None
+            raise
         return (None, name, segment.size, "inflight")
 
     def rebuild(self, handle: Any) -> Segment:

@@ -733,6 +733,42 @@ def test_ctrl_c_while_terminate_waits_is_raised_once_the_workers_are_gone(how, t
     assert "Traceback" not in err, err
 
 
+_EXECUTOR_MAP_SCRIPT = """
+import time
+import procspawn as mp
+from _pool_workers import sleep_forever, square
+
+if __name__ == "__main__":
+    ex = mp.ProcessPoolExecutor(2)  # no with: the program goes on after the Ctrl-C
+    try:
+        print("running", flush=True)
+        list(ex.map(sleep_forever, range(4)))
+    except KeyboardInterrupt:
+        begun = time.monotonic()
+        value = ex.submit(square, 3).result(timeout=60)
+        print("next call", value, "after", round(time.monotonic() - begun, 1), flush=True)
+    ex.shutdown()
+"""
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_during_an_executor_map_stops_the_chunks_it_was_running(tmp_path):
+    """Nobody else holds a map's futures: its chunks running when Ctrl-C came are
+    killed, and the executor's next call runs at once (they ran on, holding every
+    worker, as the stdlib's do)."""
+    (tmp_path / "exmap.py").write_text(_EXECUTOR_MAP_SCRIPT)
+    tests = os.path.join(ROOT, "tests")
+    out, err = _run_and_ctrl_c(
+        [sys.executable, "exmap.py"],
+        "running",
+        tmp_path,
+        {"PYTHONPATH": os.pathsep.join([tests, ROOT])},
+    )
+    assert "next call 9 after" in out, out + err
+    assert float(out.split("after")[1].split()[0]) < 10, out
+    assert "Traceback" not in err, err
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("forked", [True, False])
 def test_a_worker_whose_parent_closed_its_channel_exits_quietly(forked):

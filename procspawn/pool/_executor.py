@@ -343,12 +343,14 @@ class ProcessPoolExecutor(_cf.Executor):
         futures: list[_cf.Future[list[_T]]] = [_cf.Future() for _ in chunks]
         if shown is not None:
             shown._count_here(sum(len(chunk) for chunk in chunks))
+        stop: Callable[[], None] | None = None
         with self._shutdown_lock:
             self._check_open()
             if chunks:
                 job = _ChunksJob(fn, futures, shown)
                 self._dispatcher.submit(Task(job, n, kind, chunk) for n, chunk in enumerate(chunks))
-        return _results(list(futures), end_time, shown)
+                stop = functools.partial(_kill, self._dispatcher, weakref.ref(job))
+        return _results(list(futures), end_time, shown, stop)
 
     @ctrl_c_in_caller
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -382,9 +384,13 @@ class ProcessPoolExecutor(_cf.Executor):
 
 
 def _results(
-    futures: list[_cf.Future[list[_T]]], end_time: float | None, progress: Progress | None = None
+    futures: list[_cf.Future[list[_T]]],
+    end_time: float | None,
+    progress: Progress | None = None,
+    stop: Callable[[], None] | None = None,
 ) -> Iterator[_T]:
-    """map's values in order; nothing of a value is held once it was yielded."""
+    """map's values in order; nothing of a value is held once it was yielded. Ctrl-C
+    while it waits calls ``stop`` (the map's chunks still running are killed)."""
     try:
         futures.reverse()
         while futures:
@@ -404,6 +410,12 @@ def _results(
             values.reverse()
             while values:
                 yield values.pop()
+    except KeyboardInterrupt:
+        # nobody else holds these futures: the chunks running are stopped (their workers
+        # replaced) as a Pool's map stops its own, instead of running on for nothing
+        if stop is not None and any(not future.done() for future in futures):
+            stop()
+        raise
     finally:
         for future in futures:
             future.cancel()

@@ -6,7 +6,7 @@ import os
 import textwrap
 
 import pytest
-from _helpers import ROOT, run_file, run_script, run_stdin_script
+from _helpers import ROOT, run_script, run_stdin_script
 
 import procspawn as mp
 
@@ -137,36 +137,3 @@ def test_the_server_imports_numpy_only_for_a_parent_that_did(parent_uses_numpy):
     result = run_stdin_script(code, timeout=80)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(parent_uses_numpy)] * 2
-
-
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("parent_uses_cloudpickle", [False, True])
-def test_the_server_imports_cloudpickle_only_for_a_parent_that_did(
-    parent_uses_cloudpickle, tmp_path
-):
-    """A pool whose tasks are the script's own top-level functions, on plain data, never
-    needs cloudpickle in a worker: the server does not wait for it unless this process
-    imported it (spawn's payload of a lambda, say), and the worker does not import it."""
-    script = tmp_path / "pool_by_name.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import sys
-            import procspawn
-            if {parent_uses_cloudpickle}:
-                import cloudpickle
-
-            def worker_has_it(x):
-                return x, "cloudpickle" in sys.modules
-
-            if __name__ == "__main__":
-                with procspawn.Pool(1, context="forkserver") as pool:
-                    [(x, in_worker)] = pool.map(worker_has_it, [7])
-                assert x == 7
-                print(in_worker, "cloudpickle" in sys.modules)
-            """
-        )
-    )
-    result = run_file(str(script), timeout=80)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(parent_uses_cloudpickle)] * 2

@@ -4,9 +4,9 @@ Under ``spawn`` every rank is a new interpreter that imports NumPy, cloudpickle 
 procspawn before it runs a line of ``fn``: most of a trivial rank's start-up. The stdlib's
 fork server imports only the main module. ``spawn(..., start_method="forkserver")`` uses a
 fork server of procspawn's own instead: started once per program, at its first use, with
-the modules a rank runs already imported, NumPy and cloudpickle too when this process has
-imported them (plus whatever the user names with ``set_forkserver_preload``), and reused
-by every later ``spawn``. A rank then costs a fork and its own work.
+the modules a rank runs and cloudpickle already imported, NumPy too when this process
+has imported it (plus whatever the user names with ``set_forkserver_preload``), and
+reused by every later ``spawn``. A rank then costs a fork and its own work.
 
 It is the stdlib's fork server program (``multiprocessing.forkserver.main``), run as a
 second instance: the same protocol, the same guarantees (single-threaded, so a threaded
@@ -32,6 +32,7 @@ from ._popen import pickle_for_child
 
 # What every child imports to run: loaded once, in the server.
 PRELOAD = [
+    "cloudpickle",  # a function of the main script travels by value
     "procspawn.context._worker",
     "procspawn.pool._worker",  # a pool's worker
     "procspawn.context._progress",
@@ -42,13 +43,7 @@ PRELOAD = [
 # Loaded in the server only when this process has imported the first module when the
 # server starts: a program that uses NumPy has its children use it too, and one that does
 # not spares the server importing it (~80 ms of a cold start, more than all the rest).
-# cloudpickle likewise: a child needs it to rebuild code sent by value (a lambda, a
-# closure, a function of the script's ``__main__`` guard), which this process pickled with
-# cloudpickle first (``spawn`` pickles its payload before the server starts); code a child
-# finds by name (a module's function, a pool task defined at the top of the script) and
-# plain data never need it, and a pool started on those spares the server ~8 ms.
 PRELOAD_IF_IMPORTED = {
-    "cloudpickle": ["cloudpickle"],
     "numpy": ["numpy", "procspawn.sharing.wire._reductions", "procspawn.sharing.segments._arrays"],
 }
 

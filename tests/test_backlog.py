@@ -203,7 +203,7 @@ if __name__ == "__main__":
         for i, result in enumerate(pool.imap(double, arrays)):
             firsts.append(float(result[0]))
             if i == 5:
-                time.sleep(3)  # the workers go on; their results wait for us
+                time.sleep(1.5)  # the workers go on; their results wait for us
         print(firsts == [2.0 * i for i in range(400)], pool.apply(sum, ([1, 2],)))
 """
 

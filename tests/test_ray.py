@@ -277,7 +277,6 @@ def test_a_local_cluster_of_its_own_is_shut_down_after():
             assert ray.is_initialized(), "the cluster went with the first context"
             assert b.join(60) and b.results == ["slow"]
             print(ray.is_initialized())
-            print(mp.spawn(f, nprocs=2, backend="ray"), ray.is_initialized())
         """
     )
     env = dict(script_env())
@@ -286,7 +285,7 @@ def test_a_local_cluster_of_its_own_is_shut_down_after():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-2:] == ["False", "[0, 10] False"]
+    assert result.stdout.splitlines()[-1:] == ["False"]
 
 
 def test_ctrl_c_while_joining_stops_every_rank():

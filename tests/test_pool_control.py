@@ -277,6 +277,20 @@ def test_progress_counts_a_retried_task_once(tmp_path):
     assert (shown.count, shown.total) == (6, 6)
 
 
+def _two_calls_on_one_worker(ex, seconds, then):
+    """Two calls sleeping ``seconds`` on a one-worker executor, both handed to the worker
+    (the second queued behind the first), and a third call, ``then``, waiting: the three
+    futures."""
+    first = ex.submit(sleep_then_pid, seconds)
+    second = ex.submit(sleep_then_pid, seconds)
+    third = ex.submit(*then)  # more waiting than workers: the worker prefetches
+    deadline = time.monotonic() + DEADLINE
+    while not (first.running() and second.running()):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return first, second, third
+
+
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_killing_a_running_call_and_the_one_queued_behind_it_leaves_the_rest_running(
     start_method,
@@ -285,13 +299,7 @@ def test_killing_a_running_call_and_the_one_queued_behind_it_leaves_the_rest_run
     call fails once and is not handed out again when its worker dies (the dispatcher
     thread died on it, breaking the executor); the calls after it run."""
     with mp.ProcessPoolExecutor(1, mp_context=start_method) as ex:
-        first = ex.submit(sleep_then_pid, 5.0)
-        second = ex.submit(sleep_then_pid, 5.0)
-        third = ex.submit(square, 3)  # more waiting than workers: it prefetches
-        deadline = time.monotonic() + DEADLINE
-        while not (first.running() and second.running()):  # both handed to the worker
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        first, second, third = _two_calls_on_one_worker(ex, 5.0, (square, 3))
         assert second.kill() is True
         assert first.kill() is True
         for killed in (first, second):
@@ -305,13 +313,7 @@ def test_kill_of_a_call_queued_behind_another_fails_it_alone():
     """A worker may hold a second call of the same function, queued behind the one it
     runs: killing that one fails it at once and leaves the running call alone."""
     with mp.ProcessPoolExecutor(1, mp_context="fork") as ex:
-        first = ex.submit(sleep_then_pid, 1.0)
-        second = ex.submit(sleep_then_pid, 1.0)
-        third = ex.submit(sleep_then_pid, 0.1)  # more waiting than workers: it prefetches
-        deadline = time.monotonic() + DEADLINE
-        while not (first.running() and second.running()):  # both handed to the worker
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
+        first, second, third = _two_calls_on_one_worker(ex, 1.0, (sleep_then_pid, 0.1))
         assert second.kill() is True
         with pytest.raises(cf.CancelledError):
             second.result(DEADLINE)

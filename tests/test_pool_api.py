@@ -302,14 +302,14 @@ def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, st
             pids = {os.getpid()}
             start = os.listdir("/proc/self/fd")
             with procspawn.Pool(2, maxtasksperchild=1, context=method) as pool:
-                out = pool.map(ones, range(150), chunksize=1)
-                assert [int(a[0]) for _, a in out] == list(range(150))
+                out = pool.map(ones, range(90), chunksize=1)
+                assert [int(a[0]) for _, a in out] == list(range(90))
                 pids.update(pid for pid, _ in out)
                 del out
             with procspawn.ProcessPoolExecutor(2, mp_context=method,
                                                max_tasks_per_child=1) as ex:
-                out = list(ex.map(ones, range(100), timeout=60))
-                assert [int(a[0]) for _, a in out] == list(range(100))
+                out = list(ex.map(ones, range(60), timeout=60))
+                assert [int(a[0]) for _, a in out] == list(range(60))
                 pids.update(pid for pid, _ in out)
                 del out
             extra = {
@@ -322,7 +322,7 @@ def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, st
             else:  # the fork server's alive pipe and the resource tracker's: until exit
                 assert len(extra) <= 2 and all(
                     link.startswith("pipe:") for link in extra.values()), extra
-            assert len(pids) > 200  # a worker per task
+            assert len(pids) > 120  # a worker per task: 150 lifetimes at a limit of 64
             assert ours(pids) == set(), ours(pids)
             print("ok")
         """

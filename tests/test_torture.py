@@ -1,4 +1,4 @@
-"""The SIGKILL torture, short: 10 random rounds, and 8 under one long-lived parent
+"""The SIGKILL torture, short: 4 random rounds, and 3 under one long-lived parent
 (tests/torture.py --rounds N [--long-lived-parent] for a soak)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from _helpers import ROOT, script_env
 def test_torture(tmp_path, mode):
     out = tmp_path / "figures.json"
     extra = ["--long-lived-parent"] if mode == "long-lived-parent" else []
-    rounds = 5 if extra else 6
+    rounds = 3 if extra else 4
     result = subprocess.run(
         [
             sys.executable,

@@ -468,6 +468,44 @@ def test_an_executors_worker_may_start_processes_a_pools_may_not(start_method):
 
 
 @pytest.mark.timeout(60)
+def test_a_forked_child_using_its_parents_pool_is_told_at_once():
+    """A program forks while it has a pool: the child's calls on that pool would never be
+    answered (its workers and their thread stayed with the parent); they raise at once,
+    and a pool made in the child works. The parent's pool is unharmed."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        import procspawn as mp
+        from _pool_workers import square
+
+        if __name__ == "__main__":
+            pool = mp.Pool(1, context="fork")
+            ex = mp.ProcessPoolExecutor(1, mp_context="fork")
+            pid = os.fork()
+            if pid == 0:
+                told = []
+                for call in (lambda: pool.map(square, [1]), lambda: ex.submit(square, 1)):
+                    try:
+                        call()
+                    except RuntimeError as exc:
+                        told.append("cannot use it" in str(exc))
+                with mp.Pool(1, context="fork") as own:
+                    told.append(own.apply(square, (4,)) == 16)
+                print(told, flush=True)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            print(pool.apply(square, (3,)), ex.submit(square, 5).result(30), flush=True)
+            pool.terminate()
+            ex.shutdown()
+        """
+    )
+    tests = os.path.join(ROOT, "tests")
+    result = run_script(code, timeout=50, env_extra={"PYTHONPATH": os.pathsep.join([tests, ROOT])})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[True, True, True]", "9 25"], result.stdout
+
+
+@pytest.mark.timeout(60)
 def test_a_pool_nobody_holds_works_as_long_as_its_results_are_held():
     """``Pool(2).apply_async(f)``: the stdlib's results hold their pool, so the call
     runs; ours terminated the pool the caller dropped (RuntimeError at get()). Once its

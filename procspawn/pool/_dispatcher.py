@@ -519,6 +519,17 @@ class Dispatcher:
     def alive(self) -> bool:
         return self.state in (RUNNING, CLOSING) and self.broken is None
 
+    def check_owner(self) -> None:
+        """Raise in a process forked from the pool's owner: its workers and the thread that
+        serves them are the owner's, so a call made here would wait forever."""
+        if os.getpid() != self._owner:
+            raise RuntimeError(
+                f"this pool belongs to process {self._owner}; process {os.getpid()}, forked "
+                "from it, cannot use it (its workers and the thread that serves them stayed "
+                "with the parent, so the call would never be answered). Make a pool in this "
+                "process."
+            )
+
     # -- the dispatcher thread --------------------------------------------------------------
 
     def _run(self) -> None:

@@ -282,6 +282,7 @@ class ProcessPoolExecutor(_cf.Executor):
         return future
 
     def _check_open(self) -> None:
+        self._dispatcher.check_owner()
         if self._dispatcher.broken is not None:
             raise self._dispatcher.broken_error()
         if self._shutdown:

@@ -561,6 +561,7 @@ class Pool:
         raise NotImplementedError("pool objects cannot be passed between processes or pickled")
 
     def _check_running(self) -> None:
+        self._dispatcher.check_owner()
         if self._state != "RUN":
             raise ValueError("Pool not running")
 

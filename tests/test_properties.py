@@ -162,7 +162,7 @@ def inline(request, monkeypatch):
 
 
 _SETTINGS = settings(
-    max_examples=15,
+    max_examples=10,
     deadline=None,  # a round trip between processes has no fixed time
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     database=None,  # nothing written in the checkout

@@ -121,6 +121,10 @@ def leak_check():
         except FileNotFoundError:
             pass
     problems = []
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, ()):
+        # children started from here would never see a Ctrl-C either
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))
+        problems.append("SIGINT was left blocked in the test's thread")
     kept = _leaks.recycled_kept()
     if sum(kept.values()) > _recycled.limit() or len(kept) > _recycled.MAX_SEGMENTS:
         problems.append(f"the recycled segments kept exceed their bound: {kept}")

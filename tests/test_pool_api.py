@@ -1137,3 +1137,31 @@ def test_a_range_chunk_is_plain_data_of_a_few_bytes():
     )
     result = run_script(code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_ctrl_c_right_after_sigint_is_blocked_leaves_it_unblocked(monkeypatch):
+    """Children are started with SIGINT blocked in the starting thread. A Ctrl-C whose
+    handler runs right after the blocking call returns raises there; the thread's mask
+    must still be given back, or this process (and every child it starts) never sees
+    SIGINT again: a suite run beside two CPU hogs lost every later Ctrl-C test to it."""
+    import signal as signal_module
+
+    from procspawn.context.launch import _posix
+
+    real = signal_module.pthread_sigmask
+
+    def interrupted(how, mask):
+        previous = real(how, mask)
+        if how == signal_module.SIG_BLOCK and signal_module.SIGINT in set(mask):
+            raise KeyboardInterrupt  # what the Python-level handler does at that point
+        return previous
+
+    monkeypatch.setattr(_posix.signal, "pthread_sigmask", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt), _posix.sigint_blocked():
+            pass
+    finally:
+        monkeypatch.undo()
+        blocked = signal_module.SIGINT in real(signal_module.SIG_BLOCK, ())
+        real(signal_module.SIG_UNBLOCK, (signal_module.SIGINT,))
+    assert not blocked

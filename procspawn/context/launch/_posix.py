@@ -113,11 +113,16 @@ def sigint_blocked() -> Iterator[None]:
     handler (``unblock_sigint``); a server forked from keeps it blocked for good (it
     ignores SIGINT anyway), and its children unblock it as any other.
     """
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+    # A Ctrl-C whose handler runs right after a mask call returns raises there: the
+    # mask is read first (nothing changed yet if that raises), and blocked inside the
+    # try, so a raise after the block still finds the finally that unblocks
+    was_blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if not was_blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))
 
 
 def unblock_sigint() -> None:

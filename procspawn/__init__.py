@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as _multiprocessing
-from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Any
+
     from . import context as context
     from . import pool as pool
     from . import sharing as sharing

@@ -7,9 +7,11 @@ a rank that never logs does not pay for it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from . import _settings
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from typing import Any
 
 ENABLED: bool | None = None  # PROCSPAWN_DEBUG, read at the first log
 _logger: Any = None

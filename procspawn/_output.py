@@ -30,7 +30,6 @@ import array
 import codecs
 import contextlib
 import fcntl
-import logging
 import os
 import selectors
 import signal
@@ -59,7 +58,13 @@ _MAIN_THREAD_SIGNALS = {
     signal.SIGUSR2,
 }
 
-_log = logging.getLogger(__name__)
+
+def _log() -> Any:
+    """This module's logger (``logging`` is imported at the first message: a pool or a
+    rank that never logs does not pay ~6 ms of start-up for it)."""
+    import logging
+
+    return logging.getLogger(__name__)
 
 
 class _Stream:
@@ -283,7 +288,7 @@ class OutputForwarder:
             # terminal): then leave it its descriptors rather than close them under it.
             thread.join(max(0.0, timeout) + 10.0)
             if thread.is_alive():
-                _log.warning("procspawn output thread did not stop; its pipes stay open")
+                _log().warning("procspawn output thread did not stop; its pipes stay open")
                 with self._cond:
                     self._closed = True
                 return
@@ -362,7 +367,7 @@ class OutputForwarder:
                 self._read_ready(selector, left if flush is None else min(left, flush))
             self._finish(selector)
         except Exception:
-            _log.exception("procspawn output forwarding failed while closing")
+            _log().exception("procspawn output forwarding failed while closing")
 
     def _read_ready(self, selector: selectors.BaseSelector, timeout: float | None) -> None:
         """Wait up to ``timeout`` for a pipe, read what is ready, flush stale partial lines."""
@@ -399,11 +404,11 @@ class OutputForwarder:
                     if self._step(selector):
                         break
                 except Exception:  # never let the thread die: keep forwarding the rest
-                    _log.exception("procspawn output forwarding failed; continuing")
+                    _log().exception("procspawn output forwarding failed; continuing")
             try:
                 self._finish(selector)
             except Exception:
-                _log.exception("procspawn output forwarding failed while closing")
+                _log().exception("procspawn output forwarding failed while closing")
         finally:
             selector.close()
 
@@ -440,7 +445,7 @@ class OutputForwarder:
             try:
                 log.write(data)
             except Exception:
-                _log.exception("could not write to the log file of rank %d", entry.rank)
+                _log().exception("could not write to the log file of rank %d", entry.rank)
         if entry.name == "stderr" and self._tail_bytes:
             with self._cond:
                 tail = self._tails.setdefault(entry.rank, bytearray())
@@ -544,7 +549,7 @@ class OutputForwarder:
                 while self._read(entry, selector):
                     pass
             except Exception:
-                _log.exception("procspawn output forwarding failed while closing")
+                _log().exception("procspawn output forwarding failed while closing")
             if entry.fd in self._open:  # still open: a grandchild holds the write end
                 self._eof(entry, selector)
 

@@ -6,7 +6,7 @@ import os
 import textwrap
 
 import pytest
-from _helpers import ROOT, run_script, run_stdin_script
+from _helpers import ROOT, run_file, run_script, run_stdin_script
 
 import procspawn as mp
 
@@ -137,3 +137,36 @@ def test_the_server_imports_numpy_only_for_a_parent_that_did(parent_uses_numpy):
     result = run_stdin_script(code, timeout=80)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(parent_uses_numpy)] * 2
+
+
+def test_a_pool_server_forks_its_first_workers_before_it_imports_cloudpickle(tmp_path):
+    """A fork server started for a pool imports cloudpickle (a third of its start) once it
+    has forked the first workers and is idle: the script's functions go by name without
+    it. A first worker sent a lambda imports it itself; workers forked later have it."""
+    script = tmp_path / "idle_preload.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            import procspawn
+
+            def state(_):
+                return os.getppid(), "cloudpickle" in sys.modules
+
+            if __name__ == "__main__":
+                with procspawn.Pool(1, context="forkserver") as pool:
+                    server, first = pool.apply(state, (0,))
+                    assert pool.apply(lambda x: x * 2, (21,)) == 42  # by value
+                deadline = time.monotonic() + 20
+                later = False
+                while not later and time.monotonic() < deadline:
+                    with procspawn.Pool(1, context="forkserver") as pool:
+                        again, later = pool.apply(state, (0,))
+                    assert again == server, (again, server)
+                print(first, later)
+            """
+        )
+    )
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]

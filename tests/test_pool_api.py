@@ -1122,6 +1122,49 @@ def test_maps_over_ranges_send_range_chunks_and_give_every_value(method):
         assert list(ex.map(add, range(4), range(10, 14))) == [10, 12, 14, 16]
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_a_pool_and_an_executor_import_only_what_they_use(start_method, tmp_path):
+    """A pool's start is mostly the modules it imports at its first use (a user's start-up
+    figure counts them). A Pool imports none of concurrent.futures (and logging), the
+    stdlib's connection module (tempfile, shutil, the compressors, ~5 ms), cloudpickle for
+    the script's own functions, or, under fork, the fork-server and spawn machinery; the
+    executor adds only concurrent.futures' base (its Futures are that module's)."""
+    script = tmp_path / "imports.py"  # a file: its functions go by name (no cloudpickle)
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            import procspawn
+
+            def inc(x):
+                return x + 1
+
+            if __name__ == "__main__":
+                heavy = ["logging", "concurrent.futures", "multiprocessing.connection",
+                         "tempfile", "cloudpickle", "multiprocessing.forkserver", "runpy"]
+                with procspawn.Pool(2, context={start_method!r}) as pool:
+                    assert pool.apply(inc, (1,)) == 2
+                pool.join()
+                print(" ".join(m for m in heavy if m in sys.modules) or "-")
+                with procspawn.ProcessPoolExecutor(2, mp_context={start_method!r}) as ex:
+                    assert ex.submit(inc, 1).result(30) == 2
+                print(" ".join(m for m in heavy if m in sys.modules) or "-")
+            """
+        )
+    )
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr
+    pool, executor = result.stdout.splitlines()
+    # the fork server's own module needs them (the stdlib's forkserver Pool imports them)
+    server = "multiprocessing.connection tempfile multiprocessing.forkserver runpy"
+    if start_method == "fork":
+        assert pool == "-"
+        assert executor == "logging concurrent.futures"
+    else:
+        assert pool == server
+        assert executor == "logging concurrent.futures " + server
+
+
 def test_a_range_chunk_is_plain_data_of_a_few_bytes():
     code = textwrap.dedent(
         """

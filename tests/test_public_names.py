@@ -36,6 +36,8 @@ def _type_checking_imports(package) -> dict[str, tuple[str, str | None]]:
     found: dict[str, tuple[str, str | None]] = {}
     helpers: dict[str, str] = {}  # names imported only to reach an attribute of theirs
     for node in blocks[0].body:
+        if isinstance(node, ast.ImportFrom) and node.module == "typing":
+            continue  # for annotations (typing is not imported at run time), not a name
         if isinstance(node, ast.ImportFrom):
             module = "." * node.level + (node.module or "")
             for alias in node.names:

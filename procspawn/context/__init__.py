@@ -13,9 +13,9 @@ Floors, each importing only from those below it (and from ``procspawn.sharing``)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_names
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._errors import ProcessException as ProcessException

@@ -60,7 +60,6 @@ from ..context.launch._child import (
     parent_death_signal_is_safe,
     start_child,
 )
-from ..context.launch._forkserver import preload_also
 from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing._message import Message
 from ..sharing.channels._fdpass import (
@@ -74,9 +73,7 @@ from ..sharing.channels._startup import StartupMessage
 from ..sharing.segments import _strategy
 from ..sharing.wire import _main_names, _pickler
 from . import _worker
-from ._errors import InitializerError, TaskTimeoutError, TerminatedWorkerError
-
-preload_also(["procspawn.pool._worker"])  # a worker forked by the fork server has it
+from ._errors import TaskTimeoutError
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
@@ -658,6 +655,7 @@ class Dispatcher:
                 # daemonic: never waited for at exit (an executor's worker drops the
                 # flag on its side, to start processes of its own as the stdlib's can)
                 daemon=True,
+                pool_worker=True,
             )
         except BaseException:
             parent_end.close()
@@ -824,7 +822,7 @@ class Dispatcher:
         worker.outbox.clear()
         worker.reader.close()
         worker.sock.close()
-        worker.proc.join(0)
+        worker.proc.is_alive()  # reaps it if it has exited (join(0) imports a module)
 
     def _release(self) -> None:
         self._watcher.close()
@@ -1028,6 +1026,8 @@ class Dispatcher:
                 worker.main_index = message[1]
             self._startup_failures = 0
         elif tag == "I":
+            from ._broken import InitializerError
+
             error = InitializerError(
                 f"the pool's initializer raised in worker pid {worker.pid}; the pool cannot "
                 f"run tasks. Fix the initializer (or catch the error in it). Its "
@@ -1149,6 +1149,8 @@ class Dispatcher:
         if not worker.ready and running is None:
             self._startup_failures += 1
             if self._startup_failures >= _STARTUP_FAILURES:
+                from ._broken import InitializerError
+
                 broken = InitializerError(
                     f"{_STARTUP_FAILURES} pool workers in a row died before they were "
                     f"ready; the pool cannot run tasks. The last one: {error.msg}"
@@ -1207,6 +1209,8 @@ class Dispatcher:
         return ProcessExitedException(msg, worker.slot, worker.pid, code, name)
 
     def _broken_error(self, error: ProcessExitedException) -> BaseException:
+        from ._broken import TerminatedWorkerError  # imported by the executor already
+
         return TerminatedWorkerError(
             "A process in the process pool was terminated abruptly while the future was "
             "running or pending: " + error.msg,

@@ -53,9 +53,9 @@ Names are imported on first use; NumPy is imported only with the array helpers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .._lazy import lazy_names
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._errors import ChannelClosed as ChannelClosed

@@ -13,7 +13,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from typing import Any
 
 _local = threading.local()
 

@@ -13,14 +13,12 @@ import multiprocessing
 import os
 import threading
 from collections.abc import Callable
-from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..._output import OutputForwarder
 from . import _posix
-from ._forkserver import RankForkServerProcess
-from ._popen import EarlyRedirect, RankSpawnProcess, RedirectFds
+from ._redirect import EarlyRedirect, RedirectFds
 
 
 def start_child(
@@ -33,11 +31,14 @@ def start_child(
     name: str,
     daemon: bool = False,
     spawn_env: dict[str, str] | None = None,
+    pool_worker: bool = False,
 ) -> BaseProcess:
     """Start ``target`` in a new process whose output ``output`` forwards under ``key``.
 
     ``spawn_env`` is set in a spawn child's environment before its main module is
     imported again (fork and forkserver children set what they need themselves).
+    ``pool_worker``: the child runs a pool's worker loop, not a rank (a fork server
+    started for it preloads what a worker needs first, see ``_forkserver``).
     """
     redirect: dict[int, int] = {}
     try:
@@ -50,10 +51,14 @@ def start_child(
         # which declares no Process
         proc: BaseProcess
         if start_method == "spawn":
+            from ._popen import RankSpawnProcess  # (the spawn machinery, only when used)
+
             proc = RankSpawnProcess(target=target, args=args, name=name)
             proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
             proc._procspawn_env = spawn_env or {}  # type: ignore[attr-defined]
         elif start_method == "forkserver":
+            from ._forkserver import RankForkServerProcess  # (only when used)
+
             # procspawn's server (NumPy & co. imported once); it forked with the environment
             # of its own start, so the child takes this process' environment of now
             proc = RankForkServerProcess(
@@ -61,6 +66,7 @@ def start_child(
             )
             # applied before the child imports the main module again (see _popen)
             proc._procspawn_early_redirect = EarlyRedirect(redirect)  # type: ignore[attr-defined]
+            proc._procspawn_pool_worker = pool_worker  # type: ignore[attr-defined]
         else:
             mp_context = multiprocessing.get_context(start_method)
             proc = mp_context.Process(  # type: ignore[attr-defined]
@@ -68,6 +74,8 @@ def start_child(
             )
         proc.daemon = daemon
         if start_method != "fork":
+            from multiprocessing import resource_tracker
+
             # started now if need be, before SIGINT is blocked here: its own start
             # unblocks SIGINT in this thread when it is done
             resource_tracker.ensure_running()

@@ -25,21 +25,28 @@ import os
 import sys
 from multiprocessing import forkserver, popen_forkserver, resource_tracker, util
 from multiprocessing.context import ForkServerProcess
-from typing import Any
 
 from . import _posix
 from ._popen import pickle_for_child
 
-# What every child imports to run: loaded once, in the server.
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from typing import Any
+
+# What the first children import to run, loaded in the server before it serves anyone:
+# a rank's modules and cloudpickle (a rank's ``fn`` goes by value), or a pool worker's
+# loop (the script's functions go by name). _server_idle (first) imports the rest, and
+# the other kind's, once the server is idle (DEFERRED there), so later children of
+# either kind have them.
 PRELOAD = [
-    "cloudpickle",  # a function of the main script travels by value
+    "procspawn.context.launch._server_idle",
+    "cloudpickle",
     "procspawn.context._worker",
-    "procspawn.pool._worker",  # a pool's worker
     "procspawn.context._progress",
     "procspawn.sharing.channels._startup",
     "procspawn.sharing.segments._file_descriptor",
-    "procspawn.sharing.segments._file_system",
 ]
+POOL_PRELOAD = ["procspawn.context.launch._server_idle", "procspawn.pool._worker"]
 # Loaded in the server only when this process has imported the first module when the
 # server starts: a program that uses NumPy has its children use it too, and one that does
 # not spares the server importing it (~80 ms of a cold start, more than all the rest).
@@ -67,9 +74,9 @@ def _forget_server_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_server_in_child)
 
 
-def _preload() -> list[str]:
-    """The server's preload list if it started now."""
-    wanted = list(PRELOAD)
+def _preload(pool_worker: bool = False) -> list[str]:
+    """The server's preload list if it started now for a rank or a pool's worker."""
+    wanted = list(POOL_PRELOAD if pool_worker else PRELOAD)
     for module, modules in PRELOAD_IF_IMPORTED.items():
         if module in sys.modules:
             wanted += modules
@@ -104,17 +111,10 @@ def set_forkserver_preload(modules: list[str]) -> None:
     multiprocessing.set_forkserver_preload(list(modules))
 
 
-def preload_also(modules: list[str]) -> None:
-    """Modules procspawn's own children run (the pool's worker loop), imported in the
-    server too if it has not started yet."""
-    global PRELOAD
-    PRELOAD = PRELOAD + [m for m in modules if m not in PRELOAD]
-
-
-def _connect(fds: list[int]) -> tuple[int, int]:
+def _connect(fds: list[int], pool_worker: bool) -> tuple[int, int]:
     """``connect_to_new_process`` of our server, started (with today's preload list)
     first if it is not running."""
-    _server.set_forkserver_preload(_preload())  # read only when the server (re)starts
+    _server.set_forkserver_preload(_preload(pool_worker))  # read only at a (re)start
     resource_tracker.ensure_running()  # (re)started first: its start unblocks SIGINT
     with _posix.sigint_blocked():  # a server started now never sees a SIGINT
         return _server.connect_to_new_process(fds)
@@ -134,7 +134,8 @@ class _Popen(popen_forkserver.Popen):
     def _launch(self, process_obj: Any) -> None:
         buf = pickle_for_child(self, process_obj)
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
-        self.sentinel, w = _connect(passed)  # starts it if need be
+        pool_worker = getattr(process_obj, "_procspawn_pool_worker", False)
+        self.sentinel, w = _connect(passed, pool_worker)  # starts it if need be
         # a duplicate of the data pipe's write end: the child's sentinel of this process
         parent_w = os.dup(w)
         self.finalizer = util.Finalize(
@@ -145,6 +146,25 @@ class _Popen(popen_forkserver.Popen):
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
+
+    # The stdlib's poll and wait import multiprocessing.connection for its ``wait`` at
+    # every call: ~5 ms of the first pool's start. These wait on the sentinel (the
+    # server's pipe, which carries the exit code) through _posix instead.
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            if not _posix.wait_readable([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            try:
+                self.returncode = forkserver.read_signed(self.sentinel)
+            except (OSError, EOFError):  # the server itself was killed
+                self.returncode = 255
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.returncode is None and timeout is not None:
+            if not _posix.wait_readable([self.sentinel], timeout):
+                return None
+        return self.poll(os.WNOHANG if timeout == 0.0 else 0)
 
 
 class RankForkServerProcess(ForkServerProcess):

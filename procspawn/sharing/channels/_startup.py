@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from .. import _message
 from ..daemon import _tree
 from ..wire import _pickler
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class StartupMessage:

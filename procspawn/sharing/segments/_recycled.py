@@ -48,7 +48,6 @@ Memory kept on purpose is explicit, bounded, visible and trimmable:
 from __future__ import annotations
 
 import collections
-import ctypes
 import fcntl
 import functools
 import mmap
@@ -58,19 +57,34 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing import util
-from typing import Any
 
 from ... import _settings
 from ._segment import Segment, map_fd
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from typing import Any
 
 MIN_BYTES = 256 * 1024
 MAX_SEGMENTS = 64
 _PROT_NONE = 0
 _F_SETLEASE = getattr(fcntl, "F_SETLEASE", 1024)
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc: Any = None  # libc's mprotect and munmap, through ctypes: see _lib()
+
+
+def _lib() -> Any:
+    """libc, loaded at the first use (ctypes is ~1.5 ms of the start of a process that
+    may never recycle a segment)."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = libc
+    return _libc
 
 
 @functools.cache
@@ -184,7 +198,7 @@ def take(nbytes: int, kind: Kind) -> Segment | None:
         _take_returned()
         kept = _reuse(capacity, kind)
         if kept is not None:
-            if _libc.mprotect(kept.address, kept.length, mmap.PROT_READ | mmap.PROT_WRITE):
+            if _lib().mprotect(kept.address, kept.length, mmap.PROT_READ | mmap.PROT_WRITE):
                 kind.give_back(kept)
                 kept = None
             else:
@@ -208,6 +222,7 @@ def _watch() -> None:
 
 def _segment(kept: Kept) -> Segment:
     # with _lock held: a fork in between must see it out (and poison it)
+    _lib()  # loaded now: _recycle (a weakref callback) must not import it
     segment = Segment(
         address=kept.address + kept.header,
         size=kept.capacity,
@@ -242,7 +257,7 @@ def is_recycled(segment: Segment) -> bool:
 
 
 def unmap(address: int, length: int) -> None:
-    _libc.munmap(address, length)
+    _lib().munmap(address, length)
 
 
 def _recycle(address: int, length: int, fd: int) -> None:
@@ -270,7 +285,7 @@ def _take_returned() -> None:
             _poisoned.discard(address)
             kept.kind.give_back(kept)
             continue
-        _libc.mprotect(kept.address, kept.length, _PROT_NONE)
+        _lib().mprotect(kept.address, kept.length, _PROT_NONE)
         kept.since = time.monotonic()
         _kept[address] = kept
         _kept_bytes[kept.kind.name] += kept.length
@@ -391,7 +406,7 @@ def _self_test() -> bool:
         address = map_fd(other, mmap.PAGESIZE)
         os.close(other)
         mapped_elsewhere = not _nobody_else(fd)
-        _libc.munmap(address, mmap.PAGESIZE)
+        _lib().munmap(address, mmap.PAGESIZE)
         if not (mapped_elsewhere and _nobody_else(fd)):
             return False
         a, b = socket.socketpair(socket.AF_UNIX)

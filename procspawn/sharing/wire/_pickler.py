@@ -23,11 +23,14 @@ import types
 from collections import ChainMap
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
 
 from .. import _registry
 from .._message import Message, RecvState, SendState, begin_receive, begin_send
 from . import _main_names
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from typing import Any
 
 _local = threading.local()
 

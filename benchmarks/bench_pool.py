@@ -4,7 +4,8 @@ Run::
 
     python benchmarks/bench_pool.py [--repeats N] [--quick] [--json out.json]
                                     [--start-method {fork,spawn,forkserver}]
-                                    [--only {all,startup,tiny,fresh,result,result-warm,kill}]
+                                    [--only {all,startup,startup-numpy,tiny,fresh,result,
+                                            result-warm,kill}]
 
 Pools, 2 workers each, each used as its README shows (skipped with a note when it does
 not import; the stdlib ones always run):
@@ -38,12 +39,19 @@ its modules in every fresh interpreter: about 6 ms of a pool's start-up here).
 ``--repeats`` runs (default 5, the rows taken in turn, run by run); the table gives
 the median. Cases, one row per library:
 
-* ``start-up + first result (ms)`` -- create the pool, get one ``inc(1)`` (``apply`` /
-  ``submit(...).result()`` / a one-item call), shut down: ``terminate(); join()`` for the
-  stdlib-style Pools (stdlib, torch, procspawn: their ``with`` block's ``terminate()``,
-  then a wait for the workers), mpire's ``terminate()``, pebble's ``close(); join()``,
-  ``shutdown(wait=True)`` for the executors; joblib keeps its workers for reuse and has
-  no call to stop them, so its loky reusable executor gets ``shutdown(wait=True)``;
+* ``start-up + first result, a script of the library alone (ms)`` -- a script of a
+  user's, as small as one can be: it imports the library at its top (nothing else but
+  ``time``), then the timer covers creating the pool (and what the library imports
+  then: each imports its pool's modules at first use), one ``inc(1)`` (``apply`` /
+  ``submit(...).result()`` / a one-item call) and the shut-down: ``terminate(); join()``
+  for the stdlib-style Pools (stdlib, torch, procspawn: their ``with`` block's
+  ``terminate()``, then a wait for the workers), mpire's ``terminate()``, pebble's
+  ``close(); join()``, ``shutdown(wait=True)`` for the executors; joblib keeps its
+  workers for reuse and has no call to stop them, so its loky reusable executor gets
+  ``shutdown(wait=True)``. Each library's lines are in ``STARTUP_CODE``;
+* ``start-up + first result, a script that imports NumPy (ms)`` -- the same, the script
+  importing NumPy first (under spawn and forkserver the workers import the script again,
+  NumPy with it: procspawn's fork server has it imported already);
 * ``20,000 tiny tasks x+1 (µs/task)`` -- the pool made and warmed up (4 tasks of a 20 ms
   sleep) before the timer; the timer covers ``map(inc, range(20000))``, default chunking
   for the Pool-likes (the stdlib's is 2500 here), and for the executors twice: with
@@ -133,7 +141,8 @@ FULL = Sizes(tiny=20_000, chunk=2_500, fresh=64, result=32)
 QUICK = Sizes(tiny=2_000, chunk=250, fresh=8, result=4)
 
 CASES = {
-    "startup": "start-up + first result (ms)",
+    "startup": "start-up + first result, a script of the library alone (ms)",
+    "startup-numpy": "start-up + first result, a script that imports NumPy (ms)",
     "tiny": "20,000 tiny tasks x+1 (µs/task)",
     "fresh": "fresh 4 MiB array per task (ms/task)",
     "result": "8 MiB result per task (ms/task)",
@@ -142,6 +151,7 @@ CASES = {
 }
 FORMATS = {
     "startup": "{:.1f}",
+    "startup-numpy": "{:.1f}",
     "tiny": "{:.2f}",
     "fresh": "{:.3f}",
     "result": "{:.3f}",
@@ -421,15 +431,93 @@ def warm_up(runner: Runner) -> None:
     check(runner.map(nap, [WARMUP_NAP] * WARMUP_TASKS) == [WARMUP_NAP] * WARMUP_TASKS, "warm-up")
 
 
-def measure_startup(runner: Runner) -> float:
-    """Milliseconds from creating the pool to its shut-down, one result in between."""
-    start = time.perf_counter()
-    runner.open()
-    value = runner.one(inc, 1)
-    runner.close()
-    elapsed = time.perf_counter() - start
-    check(value == 2, f"inc(1) returned {value!r}")
-    return elapsed * 1e3
+STARTUP_CASES = ("startup", "startup-numpy")
+
+# The start-up cases run a script of their own, as small as a user's: the library (NumPy
+# first for "startup-numpy") imported at its top and nothing else of this benchmark's, so
+# what the library imports when its pool is made (lazily, as all of them do) is in the
+# timer, as in the user's. Per library: (the script's imports, the timed code, which
+# sets ``value``), used as its README shows, shut down as in the other cases. ``METHOD``
+# is the start method's name as a literal, ``CTX`` loky's context (None under fork).
+STARTUP_CODE: dict[str, tuple[str, str]] = {
+    "stdlib": (
+        "import multiprocessing",
+        "with multiprocessing.get_context(METHOD).Pool(2) as pool:\n"
+        "    value = pool.apply(inc, (1,))\n"
+        "pool.join()",
+    ),
+    "ppe": (
+        "import concurrent.futures\nimport multiprocessing",
+        "ctx = multiprocessing.get_context(METHOD)\n"
+        "with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as ex:\n"
+        "    value = ex.submit(inc, 1).result()",
+    ),
+    "loky": (
+        "import loky",
+        "ex = loky.get_reusable_executor(max_workers=2, context=CTX)\n"
+        "value = ex.submit(inc, 1).result()\n"
+        "ex.shutdown(wait=True)",
+    ),
+    "joblib": (
+        "import joblib\nfrom joblib.externals.loky import reusable_executor",
+        "(value,) = joblib.Parallel(n_jobs=2)(joblib.delayed(inc)(x) for x in [1])\n"
+        "storage = getattr(reusable_executor, '_executor_storage', None)\n"
+        "executor = getattr(storage or reusable_executor, "
+        "'executor' if storage else '_executor')\n"
+        "executor.shutdown(wait=True)",
+    ),
+    "mpire": (
+        "import mpire",
+        "pool = mpire.WorkerPool(n_jobs=2, start_method=METHOD)\n"
+        "(value,) = pool.map(inc, [1])\n"
+        "pool.terminate()",
+    ),
+    "pebble": (
+        "import multiprocessing\nimport pebble",
+        "pool = pebble.ProcessPool(max_workers=2, context=multiprocessing.get_context(METHOD))\n"
+        "value = pool.schedule(inc, args=(1,)).result()\n"
+        "pool.close()\n"
+        "pool.join()",
+    ),
+    "torch": (
+        "import torch.multiprocessing",
+        "with torch.multiprocessing.get_context(METHOD).Pool(2) as pool:\n"
+        "    value = pool.apply(inc, (1,))\n"
+        "pool.join()",
+    ),
+    "procspawn": (
+        "import procspawn",
+        "with procspawn.Pool(2, context=METHOD) as pool:\n"
+        "    value = pool.apply(inc, (1,))\n"
+        "pool.join()",
+    ),
+    "procspawn-exec": (
+        "import procspawn",
+        "with procspawn.ProcessPoolExecutor(2, mp_context=METHOD) as ex:\n"
+        "    value = ex.submit(inc, 1).result()",
+    ),
+}
+
+
+def startup_script(lib_key: str, case: str, method: str) -> str:
+    """The start-up case's script for ``lib_key``: it prints the milliseconds from
+    making the pool to its shut-down, one ``inc(1)`` in between, as a RESULT line."""
+    imports, timed = STARTUP_CODE[lib_key]
+    context = None if method == "fork" else method  # loky's reusable executor refuses fork
+    timed = timed.replace("CTX", repr(context)).replace("METHOD", repr(method))
+    body = "\n".join("    " + line for line in timed.splitlines())
+    return (
+        "import time\n"
+        + ("import numpy\n" if case == "startup-numpy" else "")
+        + imports
+        + "\n\n\ndef inc(x):\n    return x + 1\n\n\n"
+        + 'if __name__ == "__main__":\n'
+        + "    start = time.perf_counter()\n"
+        + body
+        + "\n    elapsed = time.perf_counter() - start\n"
+        + "    assert value == 2, value\n"
+        + f"    print({RESULT_PREFIX!r} + '{{\"value\": %r}}' % (elapsed * 1e3), flush=True)\n"
+    )
 
 
 def measure_tiny(runner: Runner, n: int, chunksize: int | None) -> float:
@@ -509,10 +597,8 @@ def child_main(args: argparse.Namespace) -> None:
     lib_key, case = args.child
     sizes = QUICK if args.quick else FULL
     try:
-        runner = RUNNERS[lib_key](args.start_method, case != "startup")
-        if case == "startup":
-            value = measure_startup(runner)
-        elif case == "tiny":
+        runner = RUNNERS[lib_key](args.start_method, True)
+        if case == "tiny":
             value = measure_tiny(runner, sizes.tiny, args.chunksize)
         elif case == "fresh":
             value = measure_fresh(runner, sizes.fresh)
@@ -643,7 +729,16 @@ def run_child(row: Row, method: str, quick: bool) -> list[dict[str, Any]]:
     if row.chunksize is not None:
         cmd += ["--chunksize", str(row.chunksize)]
     env = {**os.environ, IMPORT_ENV: row.lib.module}
-    timeout = KILL_SECONDS if row.case == "kill" else CHILD_SECONDS
+    with tempfile.TemporaryDirectory(prefix="bench_pool_") as tmp:
+        if row.case in STARTUP_CASES:
+            script = Path(tmp) / "startup.py"
+            script.write_text(startup_script(row.lib.key, row.case, method))
+            cmd, env = [sys.executable, str(script)], dict(os.environ)
+        return _run(cmd, env, row.case)
+
+
+def _run(cmd: list[str], env: dict[str, str], case: str) -> list[dict[str, Any]]:
+    timeout = KILL_SECONDS if case == "kill" else CHILD_SECONDS
     reports: list[dict[str, Any]] = []
     proc = subprocess.Popen(
         cmd,

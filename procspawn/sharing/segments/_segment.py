@@ -16,10 +16,10 @@ but never in a forked child that merely inherited the Segment.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
+import struct
 import sys
 import weakref
 from collections.abc import Callable, Hashable
@@ -29,23 +29,11 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worke
 if TYPE_CHECKING:
     from typing import Any
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int64,
-]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.restype = ctypes.c_int
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc: Any = None  # libc's mmap, munmap and madvise, through ctypes: see _lib()
+_munmap: list[Any] = []  # libc's munmap once loaded, for _collected
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _populate_works = sys.platform.startswith("linux")
-_MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FAILED = (1 << (8 * struct.calcsize("P"))) - 1  # (void *) -1
 
 # weak reference -> (pid, map address, map length, fd, on_release, recycle) of every live
 # Segment
@@ -75,13 +63,45 @@ _register_exit()
 util.register_after_fork(_after_fork_anchor, lambda _: _register_exit())
 
 
+def _lib() -> Any:
+    """libc, loaded at the first mapping (ctypes is ~1.5 ms of the start of a process
+    that may never map a segment: a pool whose tasks move no array)."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.madvise.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _munmap[:] = [libc.munmap]
+        _libc = libc
+    return _libc
+
+
+def _errno() -> int:
+    import ctypes  # loaded by _lib() already
+
+    return ctypes.get_errno()
+
+
 def map_fd(fd: int, length: int, offset: int = 0) -> int:
     """mmap ``length`` bytes of ``fd`` shared read-write; returns the address."""
-    address = _libc.mmap(
+    address = _lib().mmap(
         None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset
     )
     if address is None or address == _MAP_FAILED:
-        err = ctypes.get_errno()
+        err = _errno()
         raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}{_hint(err)}")
     return int(address)
 
@@ -95,8 +115,8 @@ def populate(address: int, length: int) -> None:
     if not _populate_works or length <= 0:
         return
     start = address & ~(mmap.PAGESIZE - 1)
-    if _libc.madvise(start, length + (address - start), _MADV_POPULATE_WRITE) != 0:
-        if ctypes.get_errno() == errno.EINVAL:
+    if _lib().madvise(start, length + (address - start), _MADV_POPULATE_WRITE) != 0:
+        if _errno() == errno.EINVAL:
             _populate_works = False  # an older kernel: the copy faults them in itself
 
 
@@ -123,7 +143,7 @@ def _collected(
     ref: weakref.ref[Any],
     pending: dict[Any, Any] = _pending,
     getpid: Callable[[], int] = os.getpid,
-    munmap: Any = _libc.munmap,
+    munmap: list[Any] = _munmap,  # filled by _lib(), which mapped the segment
     close: Callable[[int], None] = os.close,
 ) -> None:
     # Everything it uses is bound here: a segment that lives until the interpreter's
@@ -135,7 +155,7 @@ def _collected(
             if recycle is not None:
                 recycle(address, length, fd)  # kept for reuse, or let go by the cache itself
                 return
-            munmap(address, length)
+            munmap[0](address, length)
             if fd >= 0:
                 close(fd)
             if on_release is not None:
@@ -221,6 +241,7 @@ class Segment:
             "data": (address, False),
             "version": 3,
         }
+        _lib()  # (loaded by the mapping, mostly): _collected unmaps with it
         self._finalizer = weakref.ref(self, _collected)
         _pending[self._finalizer] = (
             os.getpid(),
@@ -292,6 +313,8 @@ def _data_pointer_reader() -> Callable[[Any], int] | None:
     ``__array_interface__``. It is used only if it reads the right pointer here.
     """
     try:
+        import ctypes
+
         import numpy as np
 
         offset = object.__basicsize__

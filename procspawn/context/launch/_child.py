@@ -71,6 +71,7 @@ def start_child(
             proc._procspawn_early_redirect = EarlyRedirect(redirect)  # type: ignore[attr-defined]
             proc._procspawn_pool_worker = pool_worker  # type: ignore[attr-defined]
         else:
+            _posix.load_prctl()  # inherited by the child (see parent_death_signal_is_safe)
             mp_context = multiprocessing.get_context(start_method)
             proc = mp_context.Process(  # type: ignore[attr-defined]
                 target=target, args=(*args, RedirectFds(redirect)), name=name

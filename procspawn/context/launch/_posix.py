@@ -50,11 +50,17 @@ def _find_prctl() -> Any:
 _prctl: Any = False  # looked up at the first call (False: not yet)
 
 
-def set_parent_death_signal() -> bool:
-    """Ask the kernel to SIGKILL us when our parent dies (Linux only)."""
+def load_prctl() -> None:
+    """Look prctl up now, in a parent about to fork children that will ask for the death
+    signal: they inherit it, instead of each loading ctypes on its way to its first task."""
     global _prctl
     if _prctl is False:
         _prctl = _find_prctl()
+
+
+def set_parent_death_signal() -> bool:
+    """Ask the kernel to SIGKILL us when our parent dies (Linux only)."""
+    load_prctl()
     if _prctl is None:
         return False
     result: int = _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

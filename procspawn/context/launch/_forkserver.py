@@ -6,7 +6,9 @@ fork server imports only the main module. ``spawn(..., start_method="forkserver"
 fork server of procspawn's own instead: started once per program, at its first use, with
 the modules a rank runs and cloudpickle already imported, NumPy too when this process
 has imported it (plus whatever the user names with ``set_forkserver_preload``), and
-reused by every later ``spawn``. A rank then costs a fork and its own work.
+reused by every later ``spawn``. A rank then costs a fork and its own work. Started for a
+pool, the server imports a worker's modules only, and the rest once idle
+(``_server_idle``): the pool's first workers are forked sooner.
 
 It is the stdlib's fork server program (``multiprocessing.forkserver.main``), run as a
 second instance: the same protocol, the same guarantees (single-threaded, so a threaded
@@ -46,7 +48,17 @@ PRELOAD = [
     "procspawn.sharing.channels._startup",
     "procspawn.sharing.segments._file_descriptor",
 ]
-POOL_PRELOAD = ["procspawn.context.launch._server_idle", "procspawn.pool._worker"]
+POOL_PRELOAD = [
+    "procspawn.context.launch._server_idle",
+    "procspawn.pool._worker",
+    # what every worker imports as it starts: its Process class (unpickled), the
+    # sharing strategy it restores, and runpy's pkgutil (the main module imported again)
+    "procspawn.context.launch._forkserver",
+    "procspawn.context.launch._redirect",
+    "procspawn.sharing.channels._startup",
+    "procspawn.sharing.segments._strategy",
+    "pkgutil",
+]
 # Loaded in the server only when this process has imported the first module when the
 # server starts: a program that uses NumPy has its children use it too, and one that does
 # not spares the server importing it (~80 ms of a cold start, more than all the rest).

@@ -3,11 +3,12 @@ while the server is idle, after it has forked its first children, not before.
 
 The server imports its preload list before it serves anyone, so every module on it delays
 a program's first children: cloudpickle alone is ~15 ms there, a third of the server's
-start. A child needs cloudpickle only for something that goes by value (a lambda, a
-function made under the ``__main__`` guard): the main script's functions go by name. So
-the server imports :data:`DEFERRED` once it has served a first request and then heard
-nothing for :data:`IDLE` seconds: the first children are forked without them (a child
-that needs one imports it itself), and every child forked later has them.
+start. A pool's worker needs cloudpickle only for something that goes by value (a
+lambda, a function made under the ``__main__`` guard): the main script's functions go by
+name. So a server started for a pool preloads a worker's modules only, and imports
+:data:`DEFERRED` once it has served a first request and then heard nothing for
+:data:`IDLE` seconds: the first workers are forked without them (one that needs a module
+imports it itself), and every child forked later, worker or rank, has them.
 
 How: this module is first on the server's preload list, and gives the stdlib's server
 loop (``multiprocessing.forkserver.main``, which it runs unchanged) a selector that

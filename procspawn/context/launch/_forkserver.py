@@ -159,25 +159,6 @@ class _Popen(popen_forkserver.Popen):
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
 
-    # The stdlib's poll and wait import multiprocessing.connection for its ``wait`` at
-    # every call: ~5 ms of the first pool's start. These wait on the sentinel (the
-    # server's pipe, which carries the exit code) through _posix instead.
-    def poll(self, flag: int = os.WNOHANG) -> int | None:
-        if self.returncode is None:
-            if not _posix.wait_readable([self.sentinel], 0 if flag == os.WNOHANG else None):
-                return None
-            try:
-                self.returncode = forkserver.read_signed(self.sentinel)
-            except (OSError, EOFError):  # the server itself was killed
-                self.returncode = 255
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        if self.returncode is None and timeout is not None:
-            if not _posix.wait_readable([self.sentinel], timeout):
-                return None
-        return self.poll(os.WNOHANG if timeout == 0.0 else 0)
-
 
 class RankForkServerProcess(ForkServerProcess):
     """A forkserver-method Process started by procspawn's fork server."""

@@ -15,7 +15,7 @@ import signal
 import time
 
 import pytest
-from _helpers import ROOT, run_script
+from _helpers import ROOT, run_file, run_script
 from _pool_workers import die, maybe_die, pid_of, record_pid_and_sleep, slow_square, square
 
 import procspawn as mp
@@ -295,3 +295,34 @@ def test_pools_closed_without_join_while_others_start():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
     assert "dispatcher thread failed" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("main_waits", [True, False])
+def test_an_executor_whose_program_is_leaving_still_reports_a_death(tmp_path, main_waits):
+    """The errors of a broken pool (concurrent.futures.process) are imported by the pool's
+    thread after its start, not on the way to the first result. Python refuses that
+    import once the main thread has ended: an executor that has run a moment has it
+    already, and one that breaks earlier, while its program leaves, reports the death as
+    a ProcessExitedException rather than failing its thread."""
+    script = tmp_path / "leaving.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import procspawn\n"
+        "def die():\n"
+        "    time.sleep(0.6)\n"
+        "    os._exit(3)\n"
+        "def report(future):\n"
+        "    error = future.exception()\n"
+        "    print(type(error).__name__, error.exit_code, flush=True)\n"
+        "if __name__ == '__main__':\n"
+        "    ex = procspawn.ProcessPoolExecutor(1, mp_context='fork')\n"
+        "    ex.submit(die).add_done_callback(report)\n"
+        f"    if {main_waits}:\n"
+        "        time.sleep(0.4)  # the thread imports the errors meanwhile\n"
+        "    # no shutdown: the program's exit waits for the work, as the stdlib's does\n"
+    )
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr
+    expected = "TerminatedWorkerError 3" if main_waits else "ProcessExitedException 3"
+    assert result.stdout.split("\n")[0] == expected, (result.stdout, result.stderr)
+    assert "dispatcher thread failed" not in result.stderr

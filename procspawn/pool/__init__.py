@@ -13,8 +13,9 @@ Levels (each module says its own in its first line), each importing only those b
     3  _pool: Pool and its results
     2  _dispatcher: hands out tasks, reads results, watches and replaces workers
     1  _worker: the loop a worker runs;  _errors: TaskTimeoutError;
-       _broken: TerminatedWorkerError, InitializerError (BrokenProcessPool: imported when
-       a Pool breaks, as importing concurrent.futures costs ~14 ms of start-up)
+       _broken: TerminatedWorkerError, InitializerError (BrokenProcessPool subclasses,
+       imported by a pool's thread after its start: concurrent.futures.process costs
+       ~7 ms of start-up)
 """
 
 from __future__ import annotations

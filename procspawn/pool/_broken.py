@@ -1,17 +1,21 @@
 """Level 1: the errors of a broken pool, ``concurrent.futures``' ``BrokenProcessPool``s
 (built on ``context._errors``).
 
-Apart from ``_errors`` because ``concurrent.futures.process`` costs ~14 ms to import
-(``logging``, ``multiprocessing.queues``): a ``Pool`` imports this module only when it
-breaks, and the executor, which needs ``concurrent.futures`` anyway, at once.
+Apart from ``_errors`` because ``concurrent.futures.process`` costs ~7 ms to import on
+top of a pool's own modules (``multiprocessing.connection`` and ``queues``): a pool's
+thread imports it once the pool has run a moment, or when it breaks
+(``_dispatcher._broken_errors``), never on the way to a pool's first result.
 """
 
 from __future__ import annotations
 
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
 
 from ..context._errors import ProcessException, ProcessExitedException
+
+TYPE_CHECKING = False  # as typing's, without importing typing
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class TerminatedWorkerError(BrokenProcessPool, ProcessExitedException):

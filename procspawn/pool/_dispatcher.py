@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
+_BROKEN_AFTER = 0.2  # seconds a pool runs before its thread imports _broken (see _broken_errors)
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
@@ -284,6 +285,13 @@ class Dispatcher:
         self._slots = itertools.count()
         self._startup_failures = 0
         self._init_failed: BaseException | None = None  # an initializer raised: breaking
+        # when an executor's thread imports the errors of a broken pool (None: loaded, or
+        # a Pool: its only such error, an initializer's, comes at its start)
+        self._broken_at: float | None = (
+            time.monotonic() + _BROKEN_AFTER
+            if break_on_death and "procspawn.pool._broken" not in sys.modules
+            else None
+        )
         self._feeders = 0
         self._demand = 0  # lazy: how many workers the work so far asked for
         # run by the dispatcher thread; a deque, appended to without a lock, so that a
@@ -596,12 +604,17 @@ class Dispatcher:
                 for w in self._workers.values()
                 if not w.tasks and not w.stopping
             ]
+        if self._broken_at is not None:
+            times.append(self._broken_at)
         if not times:
             return None
         return max(0.0, min(times) - now)
 
     def _on_timers(self) -> None:
         now = time.monotonic()
+        if self._broken_at is not None and now >= self._broken_at:
+            self._broken_at = None
+            _broken_errors()  # now, while the program runs (see there)
         for worker in list(self._workers.values()):
             if worker.kill_at is not None and now >= worker.kill_at:
                 send_signal(worker.proc, signal.SIGKILL)
@@ -1029,9 +1042,8 @@ class Dispatcher:
                 worker.main_index = message[1]
             self._startup_failures = 0
         elif tag == "I":
-            from ._broken import InitializerError
-
-            error = InitializerError(
+            broken = _broken_errors()
+            error = (broken.InitializerError if broken else RuntimeError)(
                 f"the pool's initializer raised in worker pid {worker.pid}; the pool cannot "
                 f"run tasks. Fix the initializer (or catch the error in it). Its "
                 f"traceback:\n{message[2]}"
@@ -1152,9 +1164,8 @@ class Dispatcher:
         if not worker.ready and running is None:
             self._startup_failures += 1
             if self._startup_failures >= _STARTUP_FAILURES:
-                from ._broken import InitializerError
-
-                broken = InitializerError(
+                errors = _broken_errors()
+                broken = (errors.InitializerError if errors else RuntimeError)(
                     f"{_STARTUP_FAILURES} pool workers in a row died before they were "
                     f"ready; the pool cannot run tasks. The last one: {error.msg}"
                 )
@@ -1212,9 +1223,10 @@ class Dispatcher:
         return ProcessExitedException(msg, worker.slot, worker.pid, code, name)
 
     def _broken_error(self, error: ProcessExitedException) -> BaseException:
-        from ._broken import TerminatedWorkerError  # imported by the executor already
-
-        return TerminatedWorkerError(
+        broken = _broken_errors()
+        if broken is None:
+            return error  # (see _broken_errors) the same words, a ProcessExitedException
+        terminated: BaseException = broken.TerminatedWorkerError(
             "A process in the process pool was terminated abruptly while the future was "
             "running or pending: " + error.msg,
             error.error_index,
@@ -1222,6 +1234,25 @@ class Dispatcher:
             error.exit_code,
             error.signal_name,
         )
+        return terminated
+
+
+def _broken_errors() -> Any:
+    """``_broken``, the errors of a broken pool (concurrent.futures' BrokenProcessPool),
+    imported now if need be; None if it cannot be.
+
+    A pool does not import it as it starts (concurrent.futures.process: ~7 ms of a pool's
+    start); an executor's thread does once it has run _BROKEN_AFTER seconds, and any pool
+    at its first break. That module registers a hook with ``threading`` as it is
+    imported, which Python refuses once the main thread has ended: a pool still running
+    then (its program leaving without closing it) that breaks before its thread imported
+    the module gets None, and its callers an error that says the same in other words (a
+    ProcessExitedException, a RuntimeError for an initializer's)."""
+    try:
+        from . import _broken
+    except RuntimeError:  # "can't register atexit after shutdown"
+        return None
+    return _broken
 
 
 def check_options(task_timeout: Any, retries: Any, max_memory_per_child: Any) -> None:

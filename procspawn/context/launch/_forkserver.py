@@ -97,8 +97,8 @@ def _preload(pool_worker: bool = False) -> list[str]:
 
 def set_forkserver_preload(modules: list[str]) -> None:
     """Import ``modules`` in the fork servers once, so ranks do not: procspawn's (used by
-    ``spawn(..., start_method="forkserver")``, on top of procspawn, cloudpickle and, when this
-    process has imported it, NumPy) and the stdlib's
+    ``spawn(..., start_method="forkserver")`` and the pools, on top of what procspawn's
+    children import and, when this process has imported it, NumPy) and the stdlib's
     (``multiprocessing.set_forkserver_preload``, for the drop-in
     ``get_context("forkserver")``). Takes effect when a server starts: call it before the
     first forkserver start. A module that fails to import there is skipped (the ranks

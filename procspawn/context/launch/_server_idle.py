@@ -36,7 +36,8 @@ DEFERRED = [  # everything either kind of child imports (see _forkserver), and m
     "procspawn.pool._worker",
     "procspawn.sharing.segments._file_descriptor",
     "procspawn.sharing.segments._file_system",  # the fallback strategy
-    "procspawn.context.launch._popen",  # a child forked from here unpickles its Process
+    "procspawn.context.launch._forkserver",  # a child forked from here unpickles its
+    "procspawn.context.launch._redirect",  # Process, and the redirection of its output
     "pkgutil",  # runpy's, which imports the main module again in a child
     "ctypes",  # a worker's parent-death signal, a recycled segment's mprotect
 ]

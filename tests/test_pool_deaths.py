@@ -300,10 +300,10 @@ def test_pools_closed_without_join_while_others_start():
 @pytest.mark.parametrize("main_waits", [True, False])
 def test_an_executor_whose_program_is_leaving_still_reports_a_death(tmp_path, main_waits):
     """The errors of a broken pool (concurrent.futures.process) are imported by the pool's
-    thread after its start, not on the way to the first result. Python refuses that
-    import once the main thread has ended: an executor that has run a moment has it
-    already, and one that breaks earlier, while its program leaves, reports the death as
-    a ProcessExitedException rather than failing its thread."""
+    thread once it has answered and is idle, not on the way to the first result. Python
+    refuses that import once the main thread has ended: an executor that has run a
+    moment has it already, and one that breaks earlier, while its program leaves,
+    reports the death as a ProcessExitedException rather than failing its thread."""
     script = tmp_path / "leaving.py"
     script.write_text(
         "import os, sys, time\n"
@@ -315,10 +315,11 @@ def test_an_executor_whose_program_is_leaving_still_reports_a_death(tmp_path, ma
         "    error = future.exception()\n"
         "    print(type(error).__name__, error.exit_code, flush=True)\n"
         "if __name__ == '__main__':\n"
-        "    ex = procspawn.ProcessPoolExecutor(1, mp_context='fork')\n"
+        "    ex = procspawn.ProcessPoolExecutor(2, mp_context='fork')\n"
         "    ex.submit(die).add_done_callback(report)\n"
         f"    if {main_waits}:\n"
-        "        time.sleep(0.4)  # the thread imports the errors meanwhile\n"
+        "        assert ex.submit(abs, -1).result(30) == 1\n"
+        "        time.sleep(0.3)  # the thread imports the errors meanwhile\n"
         "    # no shutdown: the program's exit waits for the work, as the stdlib's does\n"
     )
     result = run_file(script)

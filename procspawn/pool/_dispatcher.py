@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
-_BROKEN_AFTER = 0.2  # seconds a pool runs before its thread imports _broken (see _broken_errors)
+_BROKEN_QUIET = 0.02  # seconds without an event before an executor imports _broken
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
@@ -285,13 +285,12 @@ class Dispatcher:
         self._slots = itertools.count()
         self._startup_failures = 0
         self._init_failed: BaseException | None = None  # an initializer raised: breaking
-        # when an executor's thread imports the errors of a broken pool (None: loaded, or
-        # a Pool: its only such error, an initializer's, comes at its start)
-        self._broken_at: float | None = (
-            time.monotonic() + _BROKEN_AFTER
-            if break_on_death and "procspawn.pool._broken" not in sys.modules
-            else None
-        )
+        # an executor's thread imports the errors of a broken pool ahead of a death, once a
+        # worker has answered and the thread then had nothing to do for _BROKEN_QUIET (a
+        # Pool's only such error, an initializer's, comes as it starts): see _broken_errors
+        self._broken_ahead = break_on_death and "procspawn.pool._broken" not in sys.modules
+        self._answers = 0
+        self._quiet_since = time.monotonic()
         self._feeders = 0
         self._demand = 0  # lazy: how many workers the work so far asked for
         # run by the dispatcher thread; a deque, appended to without a lock, so that a
@@ -559,6 +558,7 @@ class Dispatcher:
                 else:
                     self._hand_out()
                 for key, readable, writable in self._watcher.wait(self._timeout()):
+                    self._quiet_since = time.monotonic()
                     kind, worker = key
                     if kind == "output":
                         # a worker wrote: the output thread takes over (pipes that only
@@ -604,17 +604,17 @@ class Dispatcher:
                 for w in self._workers.values()
                 if not w.tasks and not w.stopping
             ]
-        if self._broken_at is not None:
-            times.append(self._broken_at)
+        if self._broken_ahead and self._answers:
+            times.append(self._quiet_since + _BROKEN_QUIET)
         if not times:
             return None
         return max(0.0, min(times) - now)
 
     def _on_timers(self) -> None:
         now = time.monotonic()
-        if self._broken_at is not None and now >= self._broken_at:
-            self._broken_at = None
-            _broken_errors()  # now, while the program runs (see there)
+        if self._broken_ahead and self._answers and now - self._quiet_since >= _BROKEN_QUIET:
+            self._broken_ahead = False
+            _broken_errors()  # now, while the program runs and the thread is idle
         for worker in list(self._workers.values()):
             if worker.kill_at is not None and now >= worker.kill_at:
                 send_signal(worker.proc, signal.SIGKILL)
@@ -1062,6 +1062,7 @@ class Dispatcher:
         takes its place."""
         worker.running = False
         worker.deadline = None
+        self._answers += 1
         if worker.verdict is not None and (
             not worker.tasks or worker.tasks[0] is not worker.verdict[0]
         ):
@@ -1242,12 +1243,14 @@ def _broken_errors() -> Any:
     imported now if need be; None if it cannot be.
 
     A pool does not import it as it starts (concurrent.futures.process: ~7 ms of a pool's
-    start); an executor's thread does once it has run _BROKEN_AFTER seconds, and any pool
-    at its first break. That module registers a hook with ``threading`` as it is
-    imported, which Python refuses once the main thread has ended: a pool still running
-    then (its program leaving without closing it) that breaks before its thread imported
-    the module gets None, and its callers an error that says the same in other words (a
-    ProcessExitedException, a RuntimeError for an initializer's)."""
+    start); an executor's thread does once a worker has answered and the thread has had
+    nothing to do for _BROKEN_QUIET seconds (never within a short program's start, one
+    result and shut-down), and any pool at its first break. That module registers a hook
+    with ``threading`` as it is imported, which Python refuses once the main thread has
+    ended: a pool still running then (its program leaving without closing it) that breaks
+    before its thread imported the module gets None, and its callers an error that says
+    the same in other words (a ProcessExitedException, a RuntimeError for an
+    initializer's)."""
     try:
         from . import _broken
     except RuntimeError:  # "can't register atexit after shutdown"

@@ -4,7 +4,6 @@ threads at once. Every wait has a deadline."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import gc
 import multiprocessing
 import os
@@ -14,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.pool import MaybeEncodingError, RemoteTraceback
 
 import numpy as np
@@ -112,7 +112,7 @@ def test_an_initializer_that_raises_fails_the_calls_with_its_traceback(make):
         pool.terminate()
     else:
         ex = mp.ProcessPoolExecutor(2, mp_context="fork", initializer=bad_initializer)
-        with pytest.raises(cf.process.BrokenProcessPool) as info:
+        with pytest.raises(BrokenProcessPool) as info:
             # raised by result(), or by submit() itself once the executor knows
             ex.submit(square, 2).result(DEADLINE)
         ex.shutdown()

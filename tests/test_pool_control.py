@@ -12,6 +12,7 @@ import concurrent.futures as cf
 import logging
 import os
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 from _pool_workers import (
@@ -134,7 +135,7 @@ def test_retries_save_a_task_a_death_lost_and_give_up_on_a_poison_task(method, m
         assert "die('sigkill')" in str(err)
         assert time.monotonic() - started < DEADLINE
         if make == "executor":
-            assert not isinstance(err, cf.process.BrokenProcessPool)
+            assert not isinstance(err, BrokenProcessPool)
             assert not ex._broken
         assert run(square, 4) == 16  # it goes on
         assert run(pid_of) > 0

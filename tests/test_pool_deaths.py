@@ -13,6 +13,7 @@ import concurrent.futures as cf
 import os
 import signal
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 from _helpers import ROOT, run_file, run_script
@@ -146,12 +147,12 @@ def test_executor_breaks_as_the_stdlibs_does(method, how):
     try:
         assert ex.submit(square, 3).result(DEADLINE) == 9
         doomed = ex.submit(die, how)
-        with pytest.raises(cf.process.BrokenProcessPool) as info:
+        with pytest.raises(BrokenProcessPool) as info:
             doomed.result(DEADLINE)
         err = info.value
         assert isinstance(err, mp.TerminatedWorkerError)
         _check(err, how, f"die('{how}')")
-        with pytest.raises(cf.process.BrokenProcessPool):
+        with pytest.raises(BrokenProcessPool):
             ex.submit(square, 2)
     finally:
         ex.shutdown(wait=True)

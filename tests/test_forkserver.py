@@ -170,3 +170,41 @@ def test_a_pool_server_forks_its_first_workers_before_it_imports_cloudpickle(tmp
     result = run_file(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_threads_that_spawn_at_once_get_every_ranks_result(tmp_path):
+    """Every Process.start() polls all of the program's children (the stdlib's cleanup),
+    so two threads read one fork-server child's exit code at once: one got it, the other
+    found the pipe at its end and wrote 255 over it, and a rank that had returned was
+    reported as dead (2-4 of 45 spawns of 2 ranks, 3 threads, failed so)."""
+    script = tmp_path / "threads.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import threading
+            import procspawn
+
+            def rank(r):
+                return r
+
+            def loop(errors):
+                for _ in range(25):
+                    try:
+                        assert procspawn.spawn(rank, nprocs=2, start_method="forkserver") == [0, 1]
+                    except Exception as exc:
+                        errors.append(repr(exc))
+
+            if __name__ == "__main__":
+                errors = []
+                threads = [threading.Thread(target=loop, args=(errors,)) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                print(len(errors), errors[:2])
+            """
+        )
+    )
+    result = run_file(script, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "0 []", result.stdout

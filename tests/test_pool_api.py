@@ -1122,6 +1122,44 @@ def test_maps_over_ranges_send_range_chunks_and_give_every_value(method):
         assert list(ex.map(add, range(4), range(10, 14))) == [10, 12, 14, 16]
 
 
+def test_initargs_a_worker_cannot_rebuild_fail_with_the_reason(tmp_path):
+    """An initarg whose unpickling raises in the worker: the pool fails with an
+    InitializerError quoting that error (the worker hid it behind an UnboundLocalError
+    of its own, and the caller got "3 pool workers in a row died before they were ready")."""
+    script = tmp_path / "bad_initarg.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import procspawn
+
+            def boom():
+                raise ValueError("cannot rebuild this initarg")
+
+            class Bad:
+                def __reduce__(self):
+                    return (boom, ())
+
+            def init(x):
+                pass
+
+            def square(x):
+                return x * x
+
+            if __name__ == "__main__":
+                try:
+                    with procspawn.Pool(1, initializer=init, initargs=(Bad(),)) as pool:
+                        pool.map(square, range(3))
+                except procspawn.InitializerError as exc:
+                    print("cannot rebuild this initarg" in str(exc), "UnboundLocal" in str(exc))
+            """
+        )
+    )
+    result = run_file(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"], (result.stdout, result.stderr[-2000:])
+    assert "UnboundLocalError" not in result.stderr
+
+
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_a_pool_and_an_executor_import_only_what_they_use(start_method, tmp_path):
     """A pool's start is mostly the modules it imports at its first use (a user's start-up

@@ -1247,15 +1247,34 @@ def _broken_errors() -> Any:
     nothing to do for _BROKEN_QUIET seconds (never within a short program's start, one
     result and shut-down), and any pool at its first break. That module registers a hook
     with ``threading`` as it is imported, which Python refuses once the main thread has
-    ended: a pool still running then (its program leaving without closing it) that breaks
-    before its thread imported the module gets None, and its callers an error that says
-    the same in other words (a ProcessExitedException, a RuntimeError for an
+    ended (a pool still running then: its program leaves without closing it, and a worker
+    dies or an initializer raises before the thread imported the module); then it is
+    imported without that hook. None if even that fails, and the callers get an error
+    that says the same in other words (a ProcessExitedException, a RuntimeError for an
     initializer's)."""
     try:
         from . import _broken
     except RuntimeError:  # "can't register atexit after shutdown"
+        pass
+    else:
+        return _broken
+    # The hook only tells the stdlib's own executors to stop, and there are none (that
+    # module was not imported before): import it without, as every registration fails now.
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
         return None
+    threading._register_atexit = _no_exit_hook  # type: ignore[attr-defined]
+    try:
+        from . import _broken
+    except RuntimeError:
+        return None
+    finally:
+        threading._register_atexit = register  # type: ignore[attr-defined]
     return _broken
+
+
+def _no_exit_hook(*args: Any, **kwargs: Any) -> None:
+    pass
 
 
 def check_options(task_timeout: Any, retries: Any, max_memory_per_child: Any) -> None:

@@ -79,6 +79,7 @@ def main(
     # (not SIG_IGN, which a program the task runs would inherit) keeps the signal away.
     _set_handler(signal.SIGINT, _ignore)
     _posix.unblock_sigint()  # blocked since the parent started us (see sigint_blocked)
+    executor = False  # (what the payload says, once it is read)
     try:
         try:
             initializer, initargs, strategy, executor, forked = payload.load()

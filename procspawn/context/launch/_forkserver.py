@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing
 import os
 import sys
+import threading
 from multiprocessing import forkserver, popen_forkserver, resource_tracker, util
 from multiprocessing.context import ForkServerProcess
 
@@ -144,6 +145,7 @@ class _Popen(popen_forkserver.Popen):
     """The stdlib's forkserver Popen, talking to procspawn's server."""
 
     def _launch(self, process_obj: Any) -> None:
+        self._read_lock = threading.Lock()  # see poll
         buf = pickle_for_child(self, process_obj)
         passed: list[int] = self._fds  # type: ignore[attr-defined]  # stdlib, set in __init__
         pool_worker = getattr(process_obj, "_procspawn_pool_worker", False)
@@ -158,6 +160,21 @@ class _Popen(popen_forkserver.Popen):
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        # The stdlib's, but for two threads at once: each saw the sentinel readable, one
+        # read the exit code and the other found the pipe at its end and wrote 255 over
+        # it (another thread's Process.start polls every child). The reading is locked.
+        if self.returncode is None:
+            if not _posix.wait_readable([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            with self._read_lock:
+                if self.returncode is None:
+                    try:
+                        self.returncode = forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError):  # the server itself was killed
+                        self.returncode = 255
+        return self.returncode
 
 
 class RankForkServerProcess(ForkServerProcess):

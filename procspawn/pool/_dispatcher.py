@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
-_BROKEN_QUIET = 0.02  # seconds without an event before an executor imports _broken
+_BROKEN_QUIET = 0.005  # seconds without an event before an executor imports _broken
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import textwrap
 import time
 from concurrent.futures.process import BrokenProcessPool
 
@@ -326,4 +327,52 @@ def test_an_executor_whose_program_is_leaving_still_reports_a_death(tmp_path, ma
     result = run_file(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == "TerminatedWorkerError 3", (result.stdout, result.stderr)
+    assert "dispatcher thread failed" not in result.stderr
+
+
+def test_a_fork_while_an_executor_imports_its_errors_leaves_the_child_whole(tmp_path):
+    """The executor's thread imports its BrokenProcessPool errors in the background. A
+    program that forked in the middle of that import handed its child a half-imported
+    module, and the import lock of a thread the child has not: the child's own executor
+    failed with 'the pool's dispatcher thread failed: AttributeError', or the child hung
+    at its first use of the errors. A fork now waits for the import."""
+    script = tmp_path / "fork_mid_import.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, time
+            import procspawn
+
+            def ok(x):
+                return x
+
+            if __name__ == "__main__":
+                sys.setswitchinterval(0.0001)  # the fork lands inside the import
+                ex = procspawn.ProcessPoolExecutor(1, mp_context="fork")
+                assert ex.submit(ok, 1).result(30) == 1
+                deadline = time.monotonic() + 5
+                while ("concurrent.futures.process" not in sys.modules
+                       and time.monotonic() < deadline):
+                    pass
+                pid = os.fork()
+                if pid == 0:
+                    signal.alarm(10)  # a child stuck on an import lock dies
+                    try:
+                        with procspawn.ProcessPoolExecutor(1, mp_context="fork") as child_ex:
+                            child_ex.submit(os._exit, 1).result(30)
+                    except Exception as exc:
+                        print(type(exc).__name__, flush=True)
+                    os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                print("child status", status, flush=True)
+                ex.shutdown()
+            """
+        )
+    )
+    result = run_file(script, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["TerminatedWorkerError", "child status 0"], (
+        result.stdout,
+        result.stderr[-2000:],
+    )
     assert "dispatcher thread failed" not in result.stderr

@@ -1238,6 +1238,17 @@ class Dispatcher:
         return terminated
 
 
+# Held while _broken_errors imports, and by a fork (register_at_fork below): a thread
+# that forks while a pool's thread imports those modules waits for the import, else the
+# child would inherit a half-imported module, and the import lock of a thread it has not.
+_broken_importing = threading.Lock()
+os.register_at_fork(
+    before=_broken_importing.acquire,
+    after_in_parent=_broken_importing.release,
+    after_in_child=_broken_importing.release,
+)
+
+
 def _broken_errors() -> Any:
     """``_broken``, the errors of a broken pool (concurrent.futures' BrokenProcessPool),
     imported now if need be; None if it cannot be.
@@ -1252,25 +1263,26 @@ def _broken_errors() -> Any:
     imported without that hook. None if even that fails, and the callers get an error
     that says the same in other words (a ProcessExitedException, a RuntimeError for an
     initializer's)."""
-    try:
-        from . import _broken
-    except RuntimeError:  # "can't register atexit after shutdown"
-        pass
-    else:
+    with _broken_importing:
+        try:
+            from . import _broken
+        except RuntimeError:  # "can't register atexit after shutdown"
+            pass
+        else:
+            return _broken
+        # The hook only tells the stdlib's own executors to stop, and there are none (that
+        # module was not imported before): import it without, as every registration fails.
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:
+            return None
+        threading._register_atexit = _no_exit_hook  # type: ignore[attr-defined]
+        try:
+            from . import _broken
+        except RuntimeError:
+            return None
+        finally:
+            threading._register_atexit = register  # type: ignore[attr-defined]
         return _broken
-    # The hook only tells the stdlib's own executors to stop, and there are none (that
-    # module was not imported before): import it without, as every registration fails now.
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        return None
-    threading._register_atexit = _no_exit_hook  # type: ignore[attr-defined]
-    try:
-        from . import _broken
-    except RuntimeError:
-        return None
-    finally:
-        threading._register_atexit = register  # type: ignore[attr-defined]
-    return _broken
 
 
 def _no_exit_hook(*args: Any, **kwargs: Any) -> None:

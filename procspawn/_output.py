@@ -39,6 +39,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from ._late import late_import
+
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
     from typing import IO, Any
@@ -65,9 +67,7 @@ _MAIN_THREAD_SIGNALS = {
 def _log() -> Any:
     """This module's logger (``logging`` is imported at the first message: a pool or a
     rank that never logs does not pay ~6 ms of start-up for it)."""
-    import logging
-
-    return logging.getLogger(__name__)
+    return late_import("logging").getLogger(__name__)  # (from any thread: see _late)
 
 
 class _Stream:

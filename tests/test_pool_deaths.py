@@ -376,3 +376,39 @@ def test_a_fork_while_an_executor_imports_its_errors_leaves_the_child_whole(tmp_
         result.stderr[-2000:],
     )
     assert "dispatcher thread failed" not in result.stderr
+
+
+def test_a_late_import_in_one_thread_is_never_cut_in_half_by_a_fork_in_another(tmp_path):
+    """What procspawn imports at first use (ctypes at the first array, logging at the
+    first message, a broken pool's errors) may be imported by a pool's thread while
+    another thread forks: the fork waits for the import, so the child has the module
+    whole (it used to get it half imported, with the lock of a thread it has not)."""
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(0.3)\nVALUE = 42\n")
+    script = tmp_path / "fork_during_import.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, threading, time
+            from procspawn._late import late_import
+
+            if __name__ == "__main__":
+                importer = threading.Thread(target=late_import, args=("slow_module",))
+                importer.start()
+                deadline = time.monotonic() + 5
+                while "slow_module" not in sys.modules and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                pid = os.fork()  # the import is under way in the other thread
+                if pid == 0:
+                    signal.alarm(5)  # a child stuck on the import lock dies
+                    import slow_module
+                    print("child", slow_module.VALUE, flush=True)
+                    os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                importer.join(10)
+                print("status", status, flush=True)
+            """
+        )
+    )
+    result = run_file(script, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["child 42", "status 0"], (result.stdout, result.stderr)

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 
 from .. import _log
+from .._late import late_import
 from .._output import OutputForwarder
 from ..context._errors import ProcessExitedException
 from ..context._watch import (
@@ -82,6 +83,7 @@ _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _BROKEN_QUIET = 0.005  # seconds without an event before an executor imports _broken
+_BROKEN = "procspawn.pool._broken"
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
@@ -288,7 +290,7 @@ class Dispatcher:
         # an executor's thread imports the errors of a broken pool ahead of a death, once a
         # worker has answered and the thread then had nothing to do for _BROKEN_QUIET (a
         # Pool's only such error, an initializer's, comes as it starts): see _broken_errors
-        self._broken_ahead = break_on_death and "procspawn.pool._broken" not in sys.modules
+        self._broken_ahead = break_on_death and _BROKEN not in sys.modules
         self._answers = 0
         self._quiet_since = time.monotonic()
         self._feeders = 0
@@ -1238,17 +1240,6 @@ class Dispatcher:
         return terminated
 
 
-# Held while _broken_errors imports, and by a fork (register_at_fork below): a thread
-# that forks while a pool's thread imports those modules waits for the import, else the
-# child would inherit a half-imported module, and the import lock of a thread it has not.
-_broken_importing = threading.Lock()
-os.register_at_fork(
-    before=_broken_importing.acquire,
-    after_in_parent=_broken_importing.release,
-    after_in_child=_broken_importing.release,
-)
-
-
 def _broken_errors() -> Any:
     """``_broken``, the errors of a broken pool (concurrent.futures' BrokenProcessPool),
     imported now if need be; None if it cannot be.
@@ -1263,26 +1254,22 @@ def _broken_errors() -> Any:
     imported without that hook. None if even that fails, and the callers get an error
     that says the same in other words (a ProcessExitedException, a RuntimeError for an
     initializer's)."""
-    with _broken_importing:
-        try:
-            from . import _broken
-        except RuntimeError:  # "can't register atexit after shutdown"
-            pass
-        else:
-            return _broken
-        # The hook only tells the stdlib's own executors to stop, and there are none (that
-        # module was not imported before): import it without, as every registration fails.
-        register = getattr(threading, "_register_atexit", None)
-        if register is None:
-            return None
-        threading._register_atexit = _no_exit_hook  # type: ignore[attr-defined]
-        try:
-            from . import _broken
-        except RuntimeError:
-            return None
-        finally:
-            threading._register_atexit = register  # type: ignore[attr-defined]
-        return _broken
+    try:
+        return late_import(_BROKEN)  # (a fork waits for it: see _late)
+    except RuntimeError:  # "can't register atexit after shutdown"
+        pass
+    # The hook only tells the stdlib's own executors to stop, and there are none (that
+    # module was not imported before): import it without, as every registration fails now.
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return None
+    threading._register_atexit = _no_exit_hook  # type: ignore[attr-defined]
+    try:
+        return late_import(_BROKEN)
+    except RuntimeError:
+        return None
+    finally:
+        threading._register_atexit = register  # type: ignore[attr-defined]
 
 
 def _no_exit_hook(*args: Any, **kwargs: Any) -> None:

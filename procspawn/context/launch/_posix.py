@@ -20,6 +20,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from ..._late import late_import
+
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
     from typing import Any
@@ -37,8 +39,8 @@ def _die() -> None:
 def _find_prctl() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        import ctypes  # here: ~1.5 ms that a child using the watchdog never pays
+    try:  # here: ~1.5 ms that a child using the watchdog never pays
+        ctypes = late_import("ctypes")  # (from any thread: see _late)
     except ImportError:
         return None
     try:

@@ -59,6 +59,7 @@ from collections.abc import Callable
 from multiprocessing import util
 
 from ... import _settings
+from ..._late import late_import
 from ._segment import Segment, map_fd
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
@@ -78,8 +79,7 @@ def _lib() -> Any:
     may never recycle a segment)."""
     global _libc
     if _libc is None:
-        import ctypes
-
+        ctypes = late_import("ctypes")  # (from any thread: see _late)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable, Hashable
 from multiprocessing import util
 
+from ..._late import late_import
+
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
     from typing import Any
@@ -68,8 +70,7 @@ def _lib() -> Any:
     that may never map a segment: a pool whose tasks move no array)."""
     global _libc
     if _libc is None:
-        import ctypes
-
+        ctypes = late_import("ctypes")  # (from any thread: see _late)
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
         libc.mmap.argtypes = [
@@ -90,9 +91,7 @@ def _lib() -> Any:
 
 
 def _errno() -> int:
-    import ctypes  # loaded by _lib() already
-
-    return ctypes.get_errno()
+    return int(late_import("ctypes").get_errno())  # (loaded by _lib() already)
 
 
 def map_fd(fd: int, length: int, offset: int = 0) -> int:
@@ -313,10 +312,9 @@ def _data_pointer_reader() -> Callable[[Any], int] | None:
     ``__array_interface__``. It is used only if it reads the right pointer here.
     """
     try:
-        import ctypes
-
         import numpy as np
 
+        ctypes = late_import("ctypes")
         offset = object.__basicsize__
         read = ctypes.c_void_p.from_address
         probe = np.arange(64, dtype=np.uint8)

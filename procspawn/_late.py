@@ -1,0 +1,33 @@
+"""Level 0: modules imported after start-up, from any thread, never cut in half by a fork.
+
+procspawn imports some modules at their first use rather than as a pool starts (ctypes,
+``logging``, the errors of a broken pool): ~1.5-7 ms each that a pool which never needs
+them never pays. That first use can come in any thread (a pool's thread, its output
+thread), and a fork made by another thread in the middle of the import handed the child a
+half-imported module, and an import lock held by a thread the child has not: the child
+failed or hung at its own first use. :func:`late_import` holds a lock that every fork
+takes first (``os.register_at_fork``), so a fork waits for the import to finish.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
+if TYPE_CHECKING:
+    from types import ModuleType
+
+_importing = threading.Lock()
+os.register_at_fork(
+    before=_importing.acquire,
+    after_in_parent=_importing.release,
+    after_in_child=_importing.release,
+)
+
+
+def late_import(name: str) -> ModuleType:
+    """``importlib.import_module(name)``, which no fork of this process interrupts."""
+    with _importing:
+        return importlib.import_module(name)

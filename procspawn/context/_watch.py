@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 
 from .. import _settings
 from .._output import OutputForwarder
+from ..sharing.channels._fdpass import wait_readable
 from ._errors import signal_name
-from .launch._posix import wait_readable
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 
@@ -354,7 +354,7 @@ def stop(processes: list[BaseProcess], grace_period: float, signum: int = signal
 
 def _join(proc: BaseProcess, timeout: float | None) -> None:
     """``proc.join(timeout)``, whose timeout imports multiprocessing.connection (~5 ms of
-    a pool's start or stop): it waits on the sentinel with ``_posix`` first."""
+    a pool's start or stop): it waits on the sentinel with ``wait_readable`` first."""
     if timeout is not None and proc.exitcode is None:
         try:
             sentinel = proc.sentinel

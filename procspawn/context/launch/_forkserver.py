@@ -29,6 +29,7 @@ import threading
 from multiprocessing import forkserver, popen_forkserver, resource_tracker, util
 from multiprocessing.context import ForkServerProcess
 
+from ...sharing.channels._fdpass import wait_readable
 from . import _posix
 from ._popen import pickle_for_child
 
@@ -166,7 +167,7 @@ class _Popen(popen_forkserver.Popen):
         # read the exit code and the other found the pipe at its end and wrote 255 over
         # it (another thread's Process.start polls every child). The reading is locked.
         if self.returncode is None:
-            if not _posix.wait_readable([self.sentinel], 0 if flag == os.WNOHANG else None):
+            if not wait_readable([self.sentinel], 0 if flag == os.WNOHANG else None):
                 return None
             with self._read_lock:
                 if self.returncode is None:

@@ -80,18 +80,6 @@ def guard_parent(parent_pid: int, use_death_signal: bool) -> None:
     watch_parent(parent_pid)
 
 
-def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
-    """Those of ``fds`` readable or at their end within ``timeout`` seconds (None: no
-    limit): ``multiprocessing.connection.wait`` for bare descriptors (a process'
-    sentinel), without importing that module (tempfile, shutil, the compressors: ~5 ms
-    of a pool's start)."""
-    poller = select.poll()
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    ready = poller.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
-    return [fd for fd, _events in ready]
-
-
 def watch_parent(parent_pid: int) -> None:
     """Kill this process within about a second of ``parent_pid`` exiting."""
     pidfd = None

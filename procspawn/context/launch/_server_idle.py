@@ -24,23 +24,25 @@ import importlib
 import selectors
 from multiprocessing import forkserver
 
+from . import _forkserver
+
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
     from typing import Any
 
-DEFERRED = [  # everything either kind of child imports (see _forkserver), and more
-    "cloudpickle",  # what goes by value
-    "procspawn.context._worker",
-    "procspawn.context._progress",
-    "procspawn.sharing.channels._startup",
-    "procspawn.pool._worker",
-    "procspawn.sharing.segments._file_descriptor",
-    "procspawn.sharing.segments._file_system",  # the fallback strategy
-    "procspawn.context.launch._forkserver",  # a child forked from here unpickles its
-    "procspawn.context.launch._redirect",  # Process, and the redirection of its output
-    "pkgutil",  # runpy's, which imports the main module again in a child
-    "ctypes",  # a worker's parent-death signal, a recycled segment's mprotect
-]
+# everything either kind of child imports (_forkserver's two lists), and more
+DEFERRED = list(
+    dict.fromkeys(
+        m
+        for m in [
+            *_forkserver.PRELOAD,
+            *_forkserver.POOL_PRELOAD,
+            "procspawn.sharing.segments._file_system",  # the fallback strategy
+            "ctypes",  # a worker's parent-death signal, a recycled segment's mprotect
+        ]
+        if m != __name__
+    )
+)
 IDLE = 0.03  # seconds without a request: a pool's workers are asked for back to back
 
 _pending = list(DEFERRED)

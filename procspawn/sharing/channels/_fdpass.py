@@ -237,13 +237,16 @@ class MessageReader:
         self._fds = []
 
 
-def _readable(sock: socket.socket, timeout: float) -> bool:
-    """Whether ``sock`` has something to read (or was closed) within ``timeout`` seconds.
-    (``multiprocessing.connection.wait`` would do, but importing that module costs every
-    pool and worker ~7 ms of start-up: tempfile, shutil, the compressors.)"""
+def wait_readable(fds: list[int], timeout: float | None) -> list[int]:
+    """Those of ``fds`` readable or at their end within ``timeout`` seconds (None: no
+    limit): ``multiprocessing.connection.wait`` for bare descriptors (a socket, a
+    process' sentinel), without importing that module (tempfile, shutil, the compressors:
+    ~5 ms of a pool's start)."""
     poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(timeout * 1000.0))
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ready = poller.poll(None if timeout is None else max(0.0, timeout) * 1000.0)
+    return [fd for fd, _events in ready]
 
 
 def recv_message(reader: MessageReader, deadline: float | None = None) -> tuple[bytes, list[int]]:
@@ -256,7 +259,7 @@ def recv_message(reader: MessageReader, deadline: float | None = None) -> tuple[
     while True:
         if deadline is not None and not reader.ready:
             remaining = max(0.0, deadline - time.monotonic())
-            if not _readable(reader.sock, remaining):
+            if not wait_readable([reader.sock.fileno()], remaining):
                 raise TimeoutError("no whole message arrived in time")
         if reader.feed():
             return reader.pop()

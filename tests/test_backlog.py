@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -219,3 +221,96 @@ def test_an_imap_over_arrays_with_a_slow_consumer_at_a_low_descriptor_limit(tmp_
     result = run_file(str(script), timeout=150)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "3"], result.stdout + result.stderr
+
+
+_LOST_RESULTS = """
+import os, sys
+import numpy as np
+import procspawn as mp
+from procspawn import sharing
+
+
+def _refuse():
+    raise RuntimeError("this result cannot be rebuilt here")
+
+
+class BadOnLoad:
+    def __reduce__(self):
+        return (_refuse, ())
+
+
+def many(i):
+    # 40 segments: a message carries a descriptor for 32 of them, the rest by name only
+    return [np.full(131_072, float(i + k)) for k in range(40)]
+
+
+def bad_first(i):
+    return (BadOnLoad(), many(i))
+
+
+if __name__ == "__main__":
+    how = sys.argv[1]
+    sharing.set_sharing_strategy("file_system")
+    with mp.Pool(1) as pool:
+        pool.apply(many, (0,))
+        if how == "unpickling fails":
+            try:
+                pool.apply(bad_first, (1,))
+            except Exception as exc:
+                print(type(exc).__name__)
+        else:
+            held = []
+            try:
+                while True:  # not one descriptor left for the result's
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+            result = pool.apply_async(many, (1,))
+            result.wait(30)
+            for fd in held:
+                os.close(fd)
+            try:
+                result.get(0)
+            except mp.FdLimitError as exc:
+                print(type(exc).__name__)
+        if how != "then it exits":
+            print(sum(float(a[0]) for a in pool.apply(many, (2,))))
+"""
+
+
+def _new_segment_names(before: set[str]) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")} - before
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["then another call", "then it exits", "unpickling fails"])
+def test_a_result_that_is_never_received_leaves_no_segment_behind(how, tmp_path):
+    """A result of 40 file_system segments the caller cannot receive (it has no descriptor
+    left for them, or unpickling it fails first): 8 of them travel by name, and their
+    names stayed in /dev/shm after every process had exited (nothing counted them
+    back). The caller now gives back what the lost message held for it, at once, at its
+    next message or at exit if it is out of descriptors."""
+    from _helpers import script_env
+
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
+    script = tmp_path / "lost.py"
+    script.write_text(_LOST_RESULTS)
+    result = subprocess.run(
+        [sys.executable, str(script), how],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=script_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    expected = ["UnpicklingError" if how == "unpickling fails" else "FdLimitError"]
+    if how != "then it exits":
+        expected.append(str(float(sum(range(2, 42)))))
+    assert result.stdout.split() == expected, result.stdout + result.stderr
+    deadline = time.monotonic() + 10  # the daemon sweeps what the dead held
+    while _new_segment_names(before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _new_segment_names(before)
+    for name in left:  # (for the next tests: this one fails)
+        os.unlink(os.path.join("/dev/shm", name))
+    assert not left, f"{len(left)} segments outlived the program: {sorted(left)[:4]}"

@@ -344,6 +344,7 @@ class ProcessContext(Generic[_R]):
         except ChannelClosed:
             return
         except FdLimitError as exc:
+            _pickler.give_back_unreceived(exc)  # the result is lost: what it held goes back
             raise ProcessRaisedException(
                 f"process {rank} (pid {self.processes[rank].pid}) terminated with the "
                 f"following error:\nits result could not be received by the parent: {exc}",
@@ -356,7 +357,7 @@ class ProcessContext(Generic[_R]):
     def _on_message(self, rank: int, data: bytes, fds: list[int]) -> None:
         pid: int = self.processes[rank].pid  # type: ignore[assignment]  # started: has a pid
         try:
-            message = _pickler.loads(data, fds)
+            message = _pickler.loads_received(data, fds)
         except Exception as exc:
             raise ProcessRaisedException(
                 f"process {rank} (pid {pid}) terminated with the following error:\n"

@@ -987,7 +987,8 @@ class Dispatcher:
                 # this process is at its descriptor limit: the message (an answer: only
                 # those carry arrays) was read whole and its descriptors dropped. Its task
                 # fails with the error, which names the limit and the fixes; the channel
-                # goes on.
+                # goes on. What its segments held for this process goes back.
+                _pickler.give_back_unreceived(exc)
                 self._lost_answer(worker, exc)
                 if worker.slot not in self._workers or self.broken is not None:
                     return
@@ -1014,7 +1015,7 @@ class Dispatcher:
 
     def _on_message(self, worker: _Worker, data: bytes, fds: list[int]) -> None:
         try:
-            message = _pickler.loads(data, fds)
+            message = _pickler.loads_received(data, fds)
         except BaseException as exc:  # SystemExit from a __reduce__ too: not this thread's end
             if not worker.tasks:
                 return

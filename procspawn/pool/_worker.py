@@ -175,6 +175,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         except FdLimitError as exc:
             # at the descriptor limit: a task's arrays could not be received (the message
             # was read whole). That task fails with the error; the worker goes on.
+            _pickler.give_back_unreceived(exc)
             send_message(channel, _STARTED)
             what = f"the arguments of a task could not be received ({exc.what})"
             _send_error(channel, "e", FdLimitError(what))
@@ -185,7 +186,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         if data != _EXIT:
             send_message(channel, _STARTED)
         try:
-            task = _pickler.loads(data, fds)
+            task = _pickler.loads_received(data, fds)
         except SystemExit:
             raise
         except BaseException as exc:

@@ -110,11 +110,14 @@ class SendState:
 class RecvState:
     """The received descriptors of the message being unpickled on this thread."""
 
-    __slots__ = ("fds", "memo")
+    __slots__ = ("fds", "memo", "taken")
 
     def __init__(self, fds: list[int]) -> None:
         self.fds = fds
         self.memo: dict[Any, Any] = {}  # what rebuild functions made once per message
+        # the segments whose rebuild started: what the message held for this receiver is
+        # this process' from then on, even if the rebuild failed
+        self.taken: set[Any] = set()
 
     def close_rest(self) -> None:
         """Close every descriptor no rebuild function took."""

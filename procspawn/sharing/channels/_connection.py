@@ -16,7 +16,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from .. import _message
-from .._errors import ChannelClosed
+from .._errors import ChannelClosed, FdLimitError
 from ..wire import _pickler
 from ._fdpass import (
     MessageReader,
@@ -99,7 +99,7 @@ class Connection:
     def recv(self) -> Any:
         """Receive an object sent with ``send`` (blocks). EOFError when the other end closed."""
         data, fds = self._recv_message()
-        return _pickler.loads(data, fds)
+        return _pickler.loads_received(data, fds)
 
     # -- raw messages (procspawn's queues; not part of multiprocessing's interface) ----
 
@@ -131,6 +131,9 @@ class Connection:
         except ChannelClosed:
             if reader._part != "header" or reader._pos:  # a message was cut short
                 raise OSError("got end of file during message") from None
+            raise
+        except FdLimitError as exc:  # the message is lost: what it held goes back
+            _pickler.give_back_unreceived(exc)
             raise
 
     # -- bytes -------------------------------------------------------------------------

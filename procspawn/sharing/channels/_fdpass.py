@@ -18,7 +18,8 @@ into the next message, and it collects descriptors in the order they arrive.
 
 If the receiver is at its RLIMIT_NOFILE the kernel drops descriptors and sets MSG_CTRUNC;
 the reader still consumes the whole message (the stream stays in step), closes what did
-arrive and raises :class:`FdLimitError` with the limit and both fixes.
+arrive and raises :class:`FdLimitError` with the limit and both fixes, the message's bytes
+on it for ``wire._pickler.give_back_unreceived``.
 """
 
 from __future__ import annotations
@@ -215,10 +216,14 @@ class MessageReader:
             for fd in fds:
                 os.close(fd)
             self._reset()
-            raise FdLimitError(
+            error = FdLimitError(
                 f"a message carried {wanted} shared-memory file descriptor(s) and "
                 f"{wanted - len(fds)} could not be received"
             )
+            # for the catcher to give back what the message's segments counted for this
+            # receiver (wire's give_back_unreceived: channels do not unpickle)
+            error._unreceived = bytes(data)  # type: ignore[attr-defined]
+            raise error
         self._reset()
         # a body read in parts is a bytearray; the readers use it as bytes
         self._done = (data, fds)  # type: ignore[assignment]

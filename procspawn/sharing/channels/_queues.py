@@ -156,7 +156,7 @@ class Queue:
                 raise Empty from None
             finally:
                 self._rlock.release()
-        return _pickler.loads(data, fds)
+        return _pickler.loads_received(data, fds)
 
     def _receive(self, deadline: float | None = None) -> tuple[bytes, list[int]]:
         """One message off the pipe; its slot is given back even if receiving it failed
@@ -349,7 +349,7 @@ class SimpleQueue:
     def get(self) -> Any:
         with self._rlock:
             data, fds = self._reader._recv_message()
-        return _pickler.loads(data, fds)
+        return _pickler.loads_received(data, fds)
 
     def put(self, obj: Any) -> None:
         message = _pickler.dumps(obj)

@@ -28,6 +28,7 @@ with O_NOFOLLOW and used only if they are regular files of this user with mode 0
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import fcntl
@@ -180,12 +181,41 @@ def _open(name: str) -> int:
         raise
 
 
+# Counts of messages never received, still to give back: dropping one opens the segment,
+# and the receiver of a message whose descriptors the kernel dropped is at its descriptor
+# limit. Tried again at the next message this process receives or discards, and at exit.
+_undropped: collections.deque[tuple[str, str]] = collections.deque()
+_undropped_at_exit = False
+
+
+def drop_undropped() -> None:
+    """Give back the counts of messages never received that are still owed (each taken
+    by one thread: a count is never given back twice)."""
+    global _undropped_at_exit
+    while _undropped:
+        try:
+            name, kind = _undropped.popleft()
+        except IndexError:  # another thread took the last
+            return
+        try:
+            drop_inflight(name, kind)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                continue  # nothing this process can do about it: the count stays
+            _undropped.appendleft((name, kind))
+            if not _undropped_at_exit:
+                _undropped_at_exit = True
+                atexit.register(drop_undropped)
+            return
+
+
 def _after_fork_in_child() -> None:
     global _marked_lock
     for fd in _marked.values():
         os.close(fd)  # the parent's messages' mark: a child's copy would keep them alive
     _marked.clear()
     _to_forget.clear()
+    _undropped.clear()  # the parent's to give back, once
     _marked_lock = threading.Lock()
 
 
@@ -312,6 +342,8 @@ class FileSystemStrategy(SharingStrategy):
         return (None, name, segment.size, "inflight")
 
     def rebuild(self, handle: Any) -> Segment:
+        if _undropped:
+            drop_undropped()
         index, name, size, mode = handle
         if index is None:
             return self._rebuild_by_name(name, size)
@@ -369,3 +401,11 @@ class FileSystemStrategy(SharingStrategy):
             drop_inflight(name, "inflight")
         elif mode == "transfer":
             drop_inflight(name, "transfer")
+
+    def discard(self, handle: Any) -> None:
+        # the message's count goes back: nobody else would take a by-name one back (the
+        # daemon's sweeps leave those alone), and its name would outlive every process
+        _, name, _, mode = handle
+        if mode in ("inflight", "transfer"):
+            _undropped.append((name, mode))
+        drop_undropped()

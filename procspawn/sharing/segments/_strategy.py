@@ -157,6 +157,16 @@ class SharingStrategy:
                 descriptors (those are closed for it).
         """
 
+    def discard(self, handle: Any) -> None:
+        """A message carrying this handle will never be unpickled (its receiver could not
+        take its descriptors, or unpickling it failed first); default: nothing.
+
+        Args:
+            handle: what ``reduce`` returned in the sender; give back here what it
+                carried for its receiver beyond the message's descriptors (those are
+                closed for it), or no one would.
+        """
+
 
 _strategies: dict[str, SharingStrategy] = {}
 _lock = threading.Lock()

@@ -39,11 +39,13 @@ def reduce_segment(segment: Segment) -> Handle:
 
 def segment_from_handle(handle: Handle) -> Segment:
     """The Segment of this process for a received handle (rebuilt once per message)."""
-    memo = _message.received().memo
-    segment = memo.get((handle[0], handle[2]))
+    state = _message.received()
+    key = (handle[0], handle[2])
+    segment = state.memo.get(key)
     if segment is None:
+        state.taken.add(key)
         segment = rebuild_segment(handle)
-        memo[(handle[0], handle[2])] = segment
+        state.memo[key] = segment
     return segment
 
 
@@ -64,6 +66,16 @@ def rebuild_segment(handle: Handle) -> Segment:
         segment = strategy.rebuild(strategy_handle)
         _mapcache.remember(segment)
         return segment
+
+
+def discard_handle(handle: Handle) -> None:
+    """A message carrying ``handle`` will never be unpickled: its strategy gives back what
+    the handle held for the receiver (a strategy that is not built in travels by value:
+    its stand-in cannot say, and nothing of procspawn's is held for it)."""
+    name, _travelling, _key, strategy_handle = handle
+    strategy = _strategy.strategy_named(name) if name in _strategy.BUILTIN else None
+    if strategy is not None:
+        strategy.discard(strategy_handle)
 
 
 def _reduce(segment: Segment) -> Any:

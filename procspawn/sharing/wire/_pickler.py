@@ -14,16 +14,20 @@ they do for ``Process(args=...)``. Neither the stdlib's pickler nor ``copyreg`` 
 
 from __future__ import annotations
 
+import atexit
+import collections
 import copyreg
+import errno
 import io
 import pickle
 import sys
 import threading
 import types
 from collections import ChainMap
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from multiprocessing.reduction import ForkingPickler
 
+from ..._late import late_import
 from .. import _registry
 from .._message import Message, RecvState, SendState, begin_receive, begin_send
 from . import _main_names
@@ -413,3 +417,69 @@ def loads(
     finally:
         begin_receive(previous)
         state.close_rest()
+
+
+def loads_received(data: bytes | bytearray | memoryview, fds: Sequence[int] = ()) -> Any:
+    """``loads`` for a message a channel delivered, which no one else will unpickle: if
+    unpickling fails, what the segments it did not reach counted for this receiver is
+    given back (``give_back``), or their names would outlive every process.
+    """
+    if _owed:
+        _give_back_owed()
+    state = RecvState(list(fds))
+    previous = begin_receive(state)
+    try:
+        return pickle.loads(data)
+    except BaseException:
+        give_back(data, state.taken)
+        raise
+    finally:
+        begin_receive(previous)
+        state.close_rest()
+
+
+def give_back(data: bytes | bytearray | memoryview, taken: Container[Any] = ()) -> None:
+    """The message ``data`` will never be unpickled (its descriptors were dropped at this
+    process' descriptor limit, or unpickling it failed): give back what its shared
+    segments counted for this receiver, but for those in ``taken`` (see ``_unreceived``).
+    Never raises: what cannot be given back now (no descriptor left to import or open
+    with) is tried again at the next message received, and at exit.
+    """
+    if data:
+        _owed.append((bytes(data), set(taken)))
+        _give_back_owed()
+
+
+# Messages whose counts are still to give back: (pickle, the segments done with)
+_owed: collections.deque[tuple[bytes, set[Any]]] = collections.deque()
+_owed_at_exit = False
+
+
+def _give_back_owed() -> None:
+    global _owed_at_exit
+    while _owed:
+        try:
+            owed = _owed.popleft()  # each taken by one thread: given back once
+        except IndexError:
+            return
+        try:
+            late_import("procspawn.sharing.wire._unreceived").give_back(*owed)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                continue
+            _owed.appendleft(owed)  # at the descriptor limit: later (``done`` is kept)
+            if not _owed_at_exit:
+                _owed_at_exit = True
+                atexit.register(_give_back_owed)
+            return
+        except Exception:  # noqa: BLE001,S112 -- never in the receiver's way: the counts stay
+            continue
+
+
+def give_back_unreceived(error: BaseException) -> None:
+    """``give_back`` for the message a channel's reader dropped with ``error`` (an
+    FdLimitError: the kernel dropped its descriptors), if the error carries one."""
+    data = getattr(error, "_unreceived", None)
+    if data:
+        error._unreceived = None  # type: ignore[attr-defined]  # (given back once)
+        give_back(data)

@@ -24,7 +24,7 @@ import sys
 import threading
 import types
 from collections import ChainMap
-from collections.abc import Container, Sequence
+from collections.abc import Iterable, Sequence
 from multiprocessing.reduction import ForkingPickler
 
 from ..._late import late_import
@@ -438,7 +438,7 @@ def loads_received(data: bytes | bytearray | memoryview, fds: Sequence[int] = ()
         state.close_rest()
 
 
-def give_back(data: bytes | bytearray | memoryview, taken: Container[Any] = ()) -> None:
+def give_back(data: bytes | bytearray | memoryview, taken: Iterable[Any] = ()) -> None:
     """The message ``data`` will never be unpickled (its descriptors were dropped at this
     process' descriptor limit, or unpickling it failed): give back what its shared
     segments counted for this receiver, but for those in ``taken`` (see ``_unreceived``).

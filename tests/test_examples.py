@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import os
 import re
@@ -16,19 +17,37 @@ EXAMPLES = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.end
 NEEDS = {"hogwild.py": "sklearn", "pool_images.py": "sklearn", "pool_resilient.py": "sklearn"}
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("name", EXAMPLES)
-def test_example_runs(name):
+def _runnable(name: str) -> bool:
     needed = NEEDS.get(name)
-    if needed and importlib.util.find_spec(needed) is None:
-        pytest.skip(f"{name} needs {needed}: pip install -e '.[examples]'")
-    result = subprocess.run(
+    return needed is None or importlib.util.find_spec(needed) is not None
+
+
+def _run(name: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name), "--quick"],
         capture_output=True,
         text=True,
         timeout=130,
         env=script_env(),
     )
+
+
+@pytest.fixture(scope="module")
+def example_runs():
+    """Every example run once, two at a time, before the first example's test starts
+    (most of a short run is interpreters starting; each test's leak check sees none of
+    them): name -> its run."""
+    with concurrent.futures.ThreadPoolExecutor(2) as threads:
+        runs = {name: threads.submit(_run, name) for name in EXAMPLES if _runnable(name)}
+    return {name: future.result() for name, future in runs.items()}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_runs(name, example_runs):
+    if not _runnable(name):
+        pytest.skip(f"{name} needs {NEEDS[name]}: pip install -e '.[examples]'")
+    result = example_runs[name]
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     if name in ("hogwild.py", "pool_images.py"):

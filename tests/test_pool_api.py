@@ -1165,8 +1165,9 @@ def test_a_pool_and_an_executor_import_only_what_they_use(start_method, tmp_path
     """A pool's start is mostly the modules it imports at its first use (a user's start-up
     figure counts them). A Pool imports none of concurrent.futures (and logging), the
     stdlib's connection module (tempfile, shutil, the compressors, ~5 ms), cloudpickle for
-    the script's own functions, or, under fork, the fork-server and spawn machinery; the
-    executor adds only concurrent.futures' base (its Futures are that module's)."""
+    the script's own functions, shared memory's modules when no array moves, or, under
+    fork, the fork-server and spawn machinery; the executor adds only concurrent.futures'
+    base (its Futures are that module's)."""
     script = tmp_path / "imports.py"  # a file: its functions go by name (no cloudpickle)
     script.write_text(
         textwrap.dedent(
@@ -1179,7 +1180,8 @@ def test_a_pool_and_an_executor_import_only_what_they_use(start_method, tmp_path
 
             if __name__ == "__main__":
                 heavy = ["logging", "concurrent.futures", "multiprocessing.connection",
-                         "tempfile", "cloudpickle", "multiprocessing.forkserver", "runpy"]
+                         "tempfile", "cloudpickle", "multiprocessing.forkserver", "runpy",
+                         "procspawn.sharing.segments._strategy"]
                 with procspawn.Pool(2, context={start_method!r}) as pool:
                     assert pool.apply(inc, (1,)) == 2
                 pool.join()

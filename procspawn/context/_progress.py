@@ -20,6 +20,7 @@ import time
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
     from typing import Any
 
     import numpy as np
@@ -76,6 +77,22 @@ def attach(counters: Any, rank: int) -> None:
     global _counter
     view = memoryview(counters).cast("B").cast("q")
     _counter = (view, rank * _SLOT)
+
+
+TICK = 0.1  # seconds between progress redraws while a call waits
+
+
+def wait_showing(wait: Callable[[float], bool], progress: Progress, timeout: float | None) -> bool:
+    """Call ``wait(seconds)`` (True once what it waits for is there) in ticks until it is
+    there or ``timeout`` passed, redrawing ``progress`` between ticks; whether it is."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = TICK if deadline is None else min(TICK, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        if wait(left):
+            return True
+        progress.render()
 
 
 class Progress:

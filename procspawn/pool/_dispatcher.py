@@ -70,7 +70,6 @@ from ..sharing.channels._fdpass import (
     try_send_message,
 )
 from ..sharing.channels._startup import StartupMessage
-from ..sharing.segments import _strategy
 from ..sharing.wire import _main_names, _pickler
 from . import _worker
 from ._errors import TaskTimeoutError
@@ -84,9 +83,18 @@ _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _BROKEN_QUIET = 0.005  # seconds without an event before an executor imports _broken
 _BROKEN = "procspawn.pool._broken"
+_STRATEGY = "procspawn.sharing.segments._strategy"
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
+
+
+def _sharing_snapshot() -> dict[str, Any] | None:
+    """The sharing settings a worker takes from this process (``_strategy.snapshot``), or
+    None when this process has none: it never used shared memory or chose a strategy,
+    and a worker's own defaults and environment (this process') are the same."""
+    strategy = sys.modules.get(_STRATEGY)
+    return None if strategy is None else strategy.snapshot()
 
 
 class Task:
@@ -305,7 +313,7 @@ class Dispatcher:
         payload = (
             initializer,
             tuple(initargs) if initializer else (),
-            _strategy.snapshot(),
+            _sharing_snapshot(),
             break_on_death,  # an executor's worker keeps concurrent.futures' rules
             start_method == "fork",  # forked: it has its parent's main module
         )

@@ -25,10 +25,10 @@ from multiprocessing.context import BaseContext
 from types import TracebackType
 
 from ..context._errors import ctrl_c_in_caller
-from ..context._progress import Progress, as_progress
+from ..context._progress import Progress, as_progress, wait_showing
+from ..context.launch._start_method import start_method_of
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
-from ._pool import start_method_of, wait_showing
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:

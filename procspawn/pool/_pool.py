@@ -14,7 +14,6 @@ arrays through shared memory.
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import resource
 import sys
@@ -26,8 +25,8 @@ from multiprocessing import TimeoutError as _MpTimeoutError
 from multiprocessing.context import BaseContext
 
 from ..context._errors import ctrl_c_in_caller
-from ..context._progress import Progress, as_progress
-from ..context.launch._start_method import get_start_method
+from ..context._progress import TICK, Progress, as_progress, wait_showing
+from ..context.launch._start_method import start_method_of
 from ..sharing._errors import raise_fd_limit
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
@@ -42,44 +41,6 @@ _T = TypeVar("_T")  # what a call returns
 _S = TypeVar("_S")  # an item of a map's input
 
 _FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
-_TICK = 0.1  # seconds between progress redraws while a call waits
-
-
-def start_method_of(context: str | BaseContext | None) -> str:
-    """The start method a ``context`` argument names: a multiprocessing context
-    (procspawn's or the stdlib's), a method name, or None (procspawn's default,
-    ``procspawn.get_start_method()``)."""
-    if context is None:
-        return get_start_method()
-    if isinstance(context, str):
-        method = context
-    else:
-        getter = getattr(context, "get_start_method", None)
-        if getter is None:
-            raise TypeError(
-                f"context must be a multiprocessing context (get_context('spawn')) or a "
-                f"start method name, got {context!r}"
-            )
-        method = getter()
-    if method not in multiprocessing.get_all_start_methods():
-        raise ValueError(
-            f"unknown start method {method!r}; this platform has: "
-            f"{', '.join(multiprocessing.get_all_start_methods())}"
-        )
-    return method
-
-
-def wait_showing(wait: Callable[[float], bool], progress: Progress, timeout: float | None) -> bool:
-    """Call ``wait(seconds)`` (True once what it waits for is there) in ticks until it is
-    there or ``timeout`` passed, redrawing ``progress`` between ticks; whether it is."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        left = _TICK if deadline is None else min(_TICK, deadline - time.monotonic())
-        if left <= 0:
-            return False
-        if wait(left):
-            return True
-        progress.render()
 
 
 class ApplyResult(Generic[_T]):
@@ -365,7 +326,7 @@ class IMapIterator(Generic[_T]):
                         self._cond.wait(remaining)
                     else:
                         progress.render()
-                        self._cond.wait(_TICK if remaining is None else min(_TICK, remaining))
+                        self._cond.wait(TICK if remaining is None else min(TICK, remaining))
             except KeyboardInterrupt:
                 if self.job is not None:
                     self._dispatcher.abandon(self.job)
@@ -999,5 +960,4 @@ __all__ = [
     "IMapUnorderedIterator",
     "MapResult",
     "Pool",
-    "start_method_of",
 ]

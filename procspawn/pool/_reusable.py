@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable, Iterable
 from multiprocessing.context import BaseContext
 
+from ..context.launch._start_method import start_method_of
 from ._executor import ProcessPoolExecutor
-from ._pool import start_method_of
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:

@@ -83,9 +83,10 @@ def main(
     try:
         try:
             initializer, initargs, strategy, executor, forked = payload.load()
-            from ..sharing.segments import _strategy
+            if strategy is not None:  # (None: the parent has no settings of its own)
+                from ..sharing.segments import _strategy
 
-            _strategy.restore(strategy)
+                _strategy.restore(strategy)
             if executor:
                 # the stdlib's executor workers are not daemonic: a call may start a pool,
                 # an executor or spawn() of its own (multiprocessing refuses children to a

@@ -53,12 +53,11 @@ PRELOAD = [
 POOL_PRELOAD = [
     "procspawn.context.launch._server_idle",
     "procspawn.pool._worker",
-    # what every worker imports as it starts: its Process class (unpickled), the
-    # sharing strategy it restores, and runpy's pkgutil (the main module imported again)
+    # what every worker imports as it starts: its Process class (unpickled), and
+    # runpy's pkgutil (the main module imported again)
     "procspawn.context.launch._forkserver",
     "procspawn.context.launch._redirect",
     "procspawn.sharing.channels._startup",
-    "procspawn.sharing.segments._strategy",
     "pkgutil",
 ]
 # Loaded in the server only when this process has imported the first module when the
@@ -66,6 +65,8 @@ POOL_PRELOAD = [
 # not spares the server importing it (~80 ms of a cold start, more than all the rest).
 PRELOAD_IF_IMPORTED = {
     "numpy": ["numpy", "procspawn.sharing.wire._reductions", "procspawn.sharing.segments._arrays"],
+    # the sharing settings a pool's worker restores, when this process has some
+    "procspawn.sharing.segments._strategy": ["procspawn.sharing.segments._strategy"],
 }
 
 _user_preload: list[str] = []

@@ -20,6 +20,10 @@ import multiprocessing
 
 from ... import _settings
 
+TYPE_CHECKING = False  # as typing's, without importing typing
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
 ENV = "PROCSPAWN_START_METHOD"
 _chosen: str | None = None
 
@@ -87,4 +91,34 @@ def set_start_method(method: str | None, force: bool = False) -> None:
     _chosen = None if method is None else _check(method, "")
 
 
-__all__ = ["ENV", "default_start_method", "get_start_method", "set_start_method"]
+def start_method_of(context: str | BaseContext | None) -> str:
+    """The start method a pool's ``context`` argument names: a multiprocessing context
+    (procspawn's or the stdlib's), a method name, or None (procspawn's default,
+    ``get_start_method()``)."""
+    if context is None:
+        return get_start_method()
+    if isinstance(context, str):
+        method = context
+    else:
+        getter = getattr(context, "get_start_method", None)
+        if getter is None:
+            raise TypeError(
+                f"context must be a multiprocessing context (get_context('spawn')) or a "
+                f"start method name, got {context!r}"
+            )
+        method = getter()
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            f"unknown start method {method!r}; this platform has: "
+            f"{', '.join(multiprocessing.get_all_start_methods())}"
+        )
+    return method
+
+
+__all__ = [
+    "ENV",
+    "default_start_method",
+    "get_start_method",
+    "set_start_method",
+    "start_method_of",
+]

@@ -39,7 +39,11 @@ def _die() -> None:
 def _find_prctl() -> Any:
     if not sys.platform.startswith("linux"):
         return None
-    try:  # here: ~1.5 ms that a child using the watchdog never pays
+    try:
+        return _prctl_from_ctypes_core()
+    except Exception:  # noqa: BLE001 -- a ctypes core unlike CPython's: ctypes itself
+        pass
+    try:  # ~3 ms, which a child using the watchdog never pays
         ctypes = late_import("ctypes")  # (from any thread: see _late)
     except ImportError:
         return None
@@ -47,6 +51,25 @@ def _find_prctl() -> Any:
         return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
+
+
+def _prctl_from_ctypes_core() -> Any:
+    """libc's prctl as ``ctypes.CDLL(None, use_errno=True).prctl`` is, made with ctypes'
+    C core alone: ``import ctypes`` takes ~3 ms (its module defines every C type and
+    loads every helper), on a fork worker's or a spawn rank's way to its first task."""
+    core = late_import("_ctypes")
+
+    class _Int(core._SimpleCData):  # type: ignore[misc,name-defined]  # ctypes.c_int
+        _type_ = "i"
+
+    class _Function(core.CFuncPtr):  # type: ignore[misc,name-defined]  # a CDLL's functions
+        _flags_ = core.FUNCFLAG_CDECL | core.FUNCFLAG_USE_ERRNO
+        _restype_ = _Int
+
+    class _Libc:  # what CFuncPtr reads of a CDLL: its handle
+        _handle = core.dlopen(None, os.RTLD_NOW)
+
+    return _Function(("prctl", _Libc()))
 
 
 _prctl: Any = False  # looked up at the first call (False: not yet)

@@ -245,7 +245,10 @@ def many(i):
 
 
 def bad_first(i):
-    return (BadOnLoad(), many(i))
+    class Local:  # travels by value: the give-back walks past its instance too
+        pass
+
+    return (Local(), BadOnLoad(), many(i))
 
 
 if __name__ == "__main__":
@@ -314,3 +317,54 @@ def test_a_result_that_is_never_received_leaves_no_segment_behind(how, tmp_path)
     for name in left:  # (for the next tests: this one fails)
         os.unlink(os.path.join("/dev/shm", name))
     assert not left, f"{len(left)} segments outlived the program: {sorted(left)[:4]}"
+
+
+def test_a_forked_child_does_not_give_back_what_its_parent_still_owes():
+    """A lost message whose counts a process could not give back yet (out of descriptors)
+    waits in a list; a child forked meanwhile starts without it, or the counts would go
+    back twice (once per process) and free a segment another message still needs."""
+    from procspawn.sharing.segments import _file_system
+    from procspawn.sharing.wire import _pickler
+
+    _pickler._owed.append((b"a lost message", set()))
+    _file_system._undropped.append(("procspawn_0_0", "inflight"))
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            os._exit(len(_pickler._owed) * 10 + len(_file_system._undropped))
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        _pickler._owed.clear()
+        _file_system._undropped.clear()
+
+
+def _raise_with(arrays):
+    raise ValueError(arrays)
+
+
+def test_an_error_carrying_arrays_leaves_another_message_of_them_its_counts():
+    """A worker checks that a task's exception loads before sending it: that check took
+    over what the message's segments counted for their receiver, the counts of another
+    message of the same segments then went with it, and that message could not be
+    received once its sender let go of the arrays."""
+    mp.set_sharing_strategy("file_system")
+    try:
+        arrays = [sharing.zeros(40_000) for _ in range(40)]  # 8 of them go by name
+        for k, array in enumerate(arrays):
+            array[:] = k
+        a_end, b_end = mp.Pipe()
+        a_end.send(arrays)  # in flight until read below
+        with mp.Pool(1) as pool:
+            with pytest.raises(ValueError) as info:
+                pool.apply(_raise_with, (arrays,))
+        assert len(info.value.args[0]) == 40
+        del arrays, info
+        gc.collect()
+        got = b_end.recv()
+        assert [float(a[0]) for a in got] == [float(k) for k in range(40)]
+        del got
+        a_end.close()
+        b_end.close()
+    finally:
+        mp.set_sharing_strategy("file_descriptor")

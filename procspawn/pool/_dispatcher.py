@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from multiprocessing import util as _mp_util  # noqa: F401 (see atexit.register below)
 from multiprocessing.process import BaseProcess
 
 from .. import _log
@@ -1380,5 +1381,8 @@ def _at_exit() -> None:
             dispatcher.terminate(ctrl_c_raises=False)
 
 
+# Registered after multiprocessing's own exit function (imported above for that), so it
+# runs first (atexit runs the last registered first): that one terminates every daemonic
+# child at once, and an executor's workers would not finish their work.
 atexit.register(_at_exit)
 __all__ = ["Dispatcher", "Job", "Task", "remote_error"]

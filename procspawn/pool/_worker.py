@@ -249,14 +249,24 @@ def _encoding_error(exc: BaseException, value: Any) -> BaseException:
 
 
 def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: str = "") -> None:
-    import traceback  # on failure only
-
-    text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        import traceback  # on failure only
+    except OSError:  # out of descriptors to import it with (an FdLimitError's report)
+        text = f"{prefix}{type(exc).__name__}: {exc}\n"
+    else:
+        text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     exc.__traceback__ = None
     try:
         with _main_names.sending_to(_parent_has):
             message = _pickler.dumps((tag, exc, text))
-        _pickler.loads(message.data, [os.dup(fd) for fd in message.fds])  # it must load too
+        # it must load too: a load that takes over what the message's segments counted for
+        # their receiver (or gives it back, if it fails), so the message sent is a new one
+        try:
+            _pickler.loads_received(message.data, [os.dup(fd) for fd in message.fds])
+        finally:
+            message.close()
+        with _main_names.sending_to(_parent_has):
+            message = _pickler.dumps((tag, exc, text))
     except BaseException:
         message = _pickler.dumps((tag, None, text))
     try:

@@ -28,7 +28,6 @@ with O_NOFOLLOW and used only if they are regular files of this user with mode 0
 
 from __future__ import annotations
 
-import atexit
 import collections
 import errno
 import fcntl
@@ -36,6 +35,7 @@ import os
 import resource
 import threading
 from collections.abc import Callable
+from multiprocessing import util
 from typing import Any, TypeVar
 
 from ... import _log
@@ -183,9 +183,17 @@ def _open(name: str) -> int:
 
 # Counts of messages never received, still to give back: dropping one opens the segment,
 # and the receiver of a message whose descriptors the kernel dropped is at its descriptor
-# limit. Tried again at the next message this process receives or discards, and at exit.
+# limit. Tried again at the next segment this process rebuilds or discards, at the next
+# message it receives (wire's loads_received), and at exit.
 _undropped: collections.deque[tuple[str, str]] = collections.deque()
 _undropped_at_exit = False
+
+
+def owe(name: str, kind: str) -> None:
+    """The count ``kind`` of ``name`` that a message held for this process is to go back
+    (a rebuild failed before taking it over, or the message will never be unpickled)."""
+    _undropped.append((name, kind))
+    drop_undropped()
 
 
 def drop_undropped() -> None:
@@ -204,8 +212,9 @@ def drop_undropped() -> None:
                 continue  # nothing this process can do about it: the count stays
             _undropped.appendleft((name, kind))
             if not _undropped_at_exit:
+                # at exit too: multiprocessing runs these in its children, which skip atexit
                 _undropped_at_exit = True
-                atexit.register(drop_undropped)
+                util.Finalize(None, drop_undropped, exitpriority=-90)
             return
 
 
@@ -351,7 +360,12 @@ class FileSystemStrategy(SharingStrategy):
         kept = False
         try:
             if mode != "anon":
-                _client.register(name)
+                try:
+                    _client.register(name)
+                except BaseException:
+                    if mode == "transfer":
+                        owe(name, "transfer")  # not taken over: it goes back
+                    raise
                 if (mode == "transfer" and adopt(name, fd, "transfer")) or hold(name, fd):
                     try:
                         return _map_named(fd, name, size)
@@ -370,7 +384,11 @@ class FileSystemStrategy(SharingStrategy):
                 os.close(fd)
 
     def _rebuild_by_name(self, name: str, size: int) -> Segment:
-        _client.register(name)
+        try:
+            _client.register(name)
+        except BaseException:
+            owe(name, "inflight")  # not taken over: it goes back
+            raise
         try:
             fd = open_segment(name)
         except BaseException as exc:
@@ -381,6 +399,7 @@ class FileSystemStrategy(SharingStrategy):
                     f"shared segment {name} no longer exists: it was freed before this "
                     f"message was received",
                 ) from None
+            owe(name, "inflight")  # (out of descriptors, say): it goes back
             raise
         try:
             if not adopt(name, fd, "inflight") and not hold(name, fd):
@@ -395,17 +414,12 @@ class FileSystemStrategy(SharingStrategy):
             os.close(fd)
 
     def adopt_cached(self, handle: Any, segment: Segment) -> None:
-        index, name, _, mode = handle
-        # this process holds it already: the message's own slot goes back
-        if index is None:
-            drop_inflight(name, "inflight")
-        elif mode == "transfer":
-            drop_inflight(name, "transfer")
+        # this process holds it already: the message's own count goes back
+        self.discard(handle)
 
     def discard(self, handle: Any) -> None:
         # the message's count goes back: nobody else would take a by-name one back (the
         # daemon's sweeps leave those alone), and its name would outlive every process
-        _, name, _, mode = handle
+        _, name, _, mode = handle  # (None, ..., "inflight") by name, (i, ..., "transfer")
         if mode in ("inflight", "transfer"):
-            _undropped.append((name, mode))
-        drop_undropped()
+            owe(name, mode)

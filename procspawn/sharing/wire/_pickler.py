@@ -19,12 +19,13 @@ import collections
 import copyreg
 import errno
 import io
+import os
 import pickle
 import sys
 import threading
 import types
 from collections import ChainMap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.reduction import ForkingPickler
 
 from ..._late import late_import
@@ -424,8 +425,7 @@ def loads_received(data: bytes | bytearray | memoryview, fds: Sequence[int] = ()
     unpickling fails, what the segments it did not reach counted for this receiver is
     given back (``give_back``), or their names would outlive every process.
     """
-    if _owed:
-        _give_back_owed()
+    _settle_debts()
     state = RecvState(list(fds))
     previous = begin_receive(state)
     try:
@@ -441,7 +441,7 @@ def loads_received(data: bytes | bytearray | memoryview, fds: Sequence[int] = ()
 def give_back(data: bytes | bytearray | memoryview, taken: Iterable[Any] = ()) -> None:
     """The message ``data`` will never be unpickled (its descriptors were dropped at this
     process' descriptor limit, or unpickling it failed): give back what its shared
-    segments counted for this receiver, but for those in ``taken`` (see ``_unreceived``).
+    segments counted for this receiver, but for those in ``taken`` (see ``_handles``).
     Never raises: what cannot be given back now (no descriptor left to import or open
     with) is tried again at the next message received, and at exit.
     """
@@ -455,6 +455,15 @@ _owed: collections.deque[tuple[bytes, set[Any]]] = collections.deque()
 _owed_at_exit = False
 
 
+def _forget_owed_in_child() -> None:
+    global _owed_at_exit
+    _owed.clear()  # the parent's to give back, once
+    _owed_at_exit = False
+
+
+os.register_at_fork(after_in_child=_forget_owed_in_child)
+
+
 def _give_back_owed() -> None:
     global _owed_at_exit
     while _owed:
@@ -463,17 +472,35 @@ def _give_back_owed() -> None:
         except IndexError:
             return
         try:
-            late_import("procspawn.sharing.wire._unreceived").give_back(*owed)
+            late_import("procspawn.sharing.wire._handles").give_back(*owed)
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 continue
             _owed.appendleft(owed)  # at the descriptor limit: later (``done`` is kept)
             if not _owed_at_exit:
                 _owed_at_exit = True
-                atexit.register(_give_back_owed)
+                _at_exit(_give_back_owed)
             return
         except Exception:  # noqa: BLE001,S112 -- never in the receiver's way: the counts stay
             continue
+
+
+def _at_exit(function: Callable[[], None]) -> None:
+    """Run ``function`` at this process' exit, also in a child multiprocessing started
+    (which leaves with os._exit, after running its util finalizers)."""
+    atexit.register(function)
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util.Finalize(None, function, exitpriority=-90)
+
+
+def _settle_debts() -> None:
+    """What this process still owes for messages it never unpickled, tried again."""
+    if _owed:
+        _give_back_owed()
+    file_system = sys.modules.get("procspawn.sharing.segments._file_system")
+    if file_system is not None and file_system._undropped:
+        file_system.drop_undropped()
 
 
 def give_back_unreceived(error: BaseException) -> None:

@@ -36,6 +36,7 @@ import types
 
 from ..context.launch import _posix
 from ..sharing._errors import ChannelClosed, FdLimitError
+from ..sharing._message import Message
 from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
 from ..sharing.wire import _main_names, _pickler
 
@@ -268,7 +269,13 @@ def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: st
         with _main_names.sending_to(_parent_has):
             message = _pickler.dumps((tag, exc, text))
     except BaseException:
-        message = _pickler.dumps((tag, None, text))
+        try:  # an exception the caller can import, by the stdlib's pickle alone (this
+            # process may be out of descriptors to import cloudpickle with, say)
+            data = pickle.dumps((tag, exc, text), pickle.HIGHEST_PROTOCOL)
+            pickle.loads(data)
+            message = Message(data)
+        except BaseException:
+            message = _pickler.dumps((tag, None, text))
     try:
         send_message(channel, message.data, message.fds)
     except OSError:

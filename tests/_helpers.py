@@ -190,11 +190,14 @@ def run_script(
     )
 
 
-def run_file(path: str, timeout: float = 80) -> subprocess.CompletedProcess:
+def run_file(
+    path: str, timeout: float = 80, args: list[str] | None = None
+) -> subprocess.CompletedProcess:
     """Run the script file ``path`` in a fresh interpreter, as ``python path`` (its main
-    module is a file the children of spawn and forkserver import again)."""
+    module is a file the children of spawn and forkserver import again); ``args``: its
+    ``sys.argv[1:]``."""
     return subprocess.run(
-        [sys.executable, str(path)],
+        [sys.executable, str(path), *(args or [])],
         capture_output=True,
         text=True,
         timeout=timeout,

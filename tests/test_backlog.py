@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -293,18 +291,12 @@ def test_a_result_that_is_never_received_leaves_no_segment_behind(how, tmp_path)
     names stayed in /dev/shm after every process had exited (nothing counted them
     back). The caller now gives back what the lost message held for it, at once, at its
     next message or at exit if it is out of descriptors."""
-    from _helpers import script_env
+    from _helpers import run_file
 
     before = {n for n in os.listdir("/dev/shm") if n.startswith("procspawn_")}
     script = tmp_path / "lost.py"
     script.write_text(_LOST_RESULTS)
-    result = subprocess.run(
-        [sys.executable, str(script), how],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=script_env(),
-    )
+    result = run_file(str(script), timeout=90, args=[how])
     assert result.returncode == 0, result.stderr
     expected = ["UnpicklingError" if how == "unpickling fails" else "FdLimitError"]
     if how != "then it exits":

@@ -17,8 +17,10 @@ the name is gone, the receiver maps the memory all the same and keeps the descri
 a memfd segment does. A message carries at most ``FDS_PER_MESSAGE`` descriptors: further
 segments (a batch of hundreds) travel by name only, counted apart, and sweeps leave
 those alone. Counts have no limit: a backlog of any length can wait for a slow consumer.
-The by-name part of a message that is never received stays until ``procspawn cleanup``:
-nothing tells the daemon that such a message is gone.
+The by-name part of a message that is never read stays until ``procspawn cleanup``:
+nothing tells the daemon that such a message is gone. One that was read but could not be
+unpickled (its descriptors dropped at the receiver's limit, or a rebuild failed) is given
+back by its receiver (``discard``, ``owe``: see ``wire._handles.give_back``).
 
 The cleanup daemon (``_client``) knows which process holds which name: a process
 registers a name before it creates or maps it, and the daemon removes a dead process from

@@ -319,16 +319,16 @@ def test_a_forked_child_does_not_give_back_what_its_parent_still_owes():
     from procspawn.sharing.wire import _pickler
 
     _pickler._owed.append((b"a lost message", set()))
-    _file_system._undropped.append(("procspawn_0_0", "inflight"))
+    _file_system.undropped.append(("procspawn_0_0", "inflight"))
     try:
         pid = os.fork()
         if pid == 0:  # pragma: no cover (the child)
-            os._exit(len(_pickler._owed) * 10 + len(_file_system._undropped))
+            os._exit(len(_pickler._owed) * 10 + len(_file_system.undropped))
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         _pickler._owed.clear()
-        _file_system._undropped.clear()
+        _file_system.undropped.clear()
 
 
 def _raise_with(arrays):

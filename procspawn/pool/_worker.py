@@ -260,14 +260,19 @@ def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: st
     try:
         with _main_names.sending_to(_parent_has):
             message = _pickler.dumps((tag, exc, text))
-        # it must load too: a load that takes over what the message's segments counted for
-        # their receiver (or gives it back, if it fails), so the message sent is a new one
+        # it must load too. A load takes over what file_system segments counted for the
+        # message's receiver (or gives it back, if it fails): a message that had such
+        # counts is pickled again for the caller
+        counted = bool(message.on_abandon)
         try:
             _pickler.loads_received(message.data, [os.dup(fd) for fd in message.fds])
-        finally:
+        except BaseException:
             message.close()
-        with _main_names.sending_to(_parent_has):
-            message = _pickler.dumps((tag, exc, text))
+            raise
+        if counted:
+            message.close()
+            with _main_names.sending_to(_parent_has):
+                message = _pickler.dumps((tag, exc, text))
     except BaseException:
         try:  # an exception the caller can import, by the stdlib's pickle alone (this
             # process may be out of descriptors to import cloudpickle with, say)

@@ -187,14 +187,14 @@ def _open(name: str) -> int:
 # and the receiver of a message whose descriptors the kernel dropped is at its descriptor
 # limit. Tried again at the next segment this process rebuilds or discards, at the next
 # message it receives (wire's loads_received), and at exit.
-_undropped: collections.deque[tuple[str, str]] = collections.deque()
+undropped: collections.deque[tuple[str, str]] = collections.deque()
 _undropped_at_exit = False
 
 
 def owe(name: str, kind: str) -> None:
     """The count ``kind`` of ``name`` that a message held for this process is to go back
     (a rebuild failed before taking it over, or the message will never be unpickled)."""
-    _undropped.append((name, kind))
+    undropped.append((name, kind))
     drop_undropped()
 
 
@@ -202,9 +202,9 @@ def drop_undropped() -> None:
     """Give back the counts of messages never received that are still owed (each taken
     by one thread: a count is never given back twice)."""
     global _undropped_at_exit
-    while _undropped:
+    while undropped:
         try:
-            name, kind = _undropped.popleft()
+            name, kind = undropped.popleft()
         except IndexError:  # another thread took the last
             return
         try:
@@ -212,7 +212,7 @@ def drop_undropped() -> None:
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 continue  # nothing this process can do about it: the count stays
-            _undropped.appendleft((name, kind))
+            undropped.appendleft((name, kind))
             if not _undropped_at_exit:
                 # at exit too: multiprocessing runs these in its children, which skip atexit
                 _undropped_at_exit = True
@@ -226,7 +226,7 @@ def _after_fork_in_child() -> None:
         os.close(fd)  # the parent's messages' mark: a child's copy would keep them alive
     _marked.clear()
     _to_forget.clear()
-    _undropped.clear()  # the parent's to give back, once
+    undropped.clear()  # the parent's to give back, once
     _marked_lock = threading.Lock()
 
 
@@ -353,7 +353,7 @@ class FileSystemStrategy(SharingStrategy):
         return (None, name, segment.size, "inflight")
 
     def rebuild(self, handle: Any) -> Segment:
-        if _undropped:
+        if undropped:
             drop_undropped()
         index, name, size, mode = handle
         if index is None:

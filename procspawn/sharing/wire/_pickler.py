@@ -499,7 +499,7 @@ def _settle_debts() -> None:
     if _owed:
         _give_back_owed()
     file_system = sys.modules.get("procspawn.sharing.segments._file_system")
-    if file_system is not None and file_system._undropped:
+    if file_system is not None and file_system.undropped:
         file_system.drop_undropped()
 
 

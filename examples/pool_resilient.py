@@ -62,9 +62,13 @@ def denoise_chunk(task):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=2.0, help="task_timeout, seconds")
+    parser.add_argument(
+        "--timeout", type=float, help="task_timeout, seconds (default 2, with --quick 1)"
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_IMAGES} images")
     args = parser.parse_args()
+    if args.timeout is None:
+        args.timeout = 1.0 if args.quick else 2.0
 
     from sklearn.datasets import load_digits
 

@@ -21,8 +21,8 @@ def _my_names() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(f"procspawn_{os.getpid()}_")}
 
 
-def _keep_all(q, n, out):
-    time.sleep(2)  # a slow consumer: the producer is far ahead when it starts
+def _keep_all(q, n, out, all_put):
+    all_put.wait(120)  # a slow consumer: it starts once the whole backlog is queued
     kept = [q.get(timeout=60) for _ in range(n)]
     out.put((len(kept), all(int(a[0]) == i and a.shape == (16,) for i, a in enumerate(kept))))
 
@@ -30,15 +30,15 @@ def _keep_all(q, n, out):
 @pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
 def test_a_backlog_of_20000_small_shared_arrays_waits_for_a_slow_consumer(strategy):
     # A replay buffer: a producer puts 20,000 fresh 16-element shared arrays (all carved
-    # from one slab) into an unbounded Queue; the consumer starts reading 2 s later and
-    # keeps what it gets. Every put succeeds, every array arrives intact, and once both
+    # from one slab) into an unbounded Queue; the consumer starts reading once all are
+    # put, and keeps what it gets. Every put succeeds, every array arrives intact, and once both
     # let go nothing is left in /dev/shm (the leak check looks from outside).
     n = 20_000
     mp.set_sharing_strategy(strategy)
     try:
         ctx = mp.get_context("spawn")
-        q, out = ctx.Queue(), ctx.Queue()
-        consumer = ctx.Process(target=_keep_all, args=(q, n, out))
+        q, out, all_put = ctx.Queue(), ctx.Queue(), ctx.Event()
+        consumer = ctx.Process(target=_keep_all, args=(q, n, out, all_put))
         consumer.start()
         try:
             for i in range(n):
@@ -46,6 +46,7 @@ def test_a_backlog_of_20000_small_shared_arrays_waits_for_a_slow_consumer(strate
                 a[:] = i
                 q.put(a)
             del a
+            all_put.set()
             assert out.get(timeout=120) == (n, True)
         finally:
             consumer.join(30)
@@ -149,20 +150,23 @@ import numpy as np
 import procspawn as mp
 from procspawn import sharing
 
-def produce(q, n):
+def produce(q, n, all_put):
     for i in range(n):
         q.put(np.full(32_768, float(i)))  # 256 KiB, fresh: a segment of its own each
     q.put(None)
+    all_put.set()
 
 if __name__ == "__main__":
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
     strategy = sys.argv[1]
     if strategy != "default":
         sharing.set_sharing_strategy(strategy)
-    q = mp.Queue()
-    producer = mp.Process(target=produce, args=(q, 2000))
+    q, all_put = mp.Queue(), mp.Event()
+    producer = mp.Process(target=produce, args=(q, 2000, all_put))
     producer.start()
-    time.sleep(2)  # a slow consumer: the producer's backlog waits in its feeder
+    # a slow consumer: it starts once the producer's whole backlog waits in its feeder
+    while not all_put.wait(0.05) and producer.is_alive():
+        pass
     got = []
     while (item := q.get(timeout=60)) is not None:
         got.append(float(item[0]))
@@ -203,7 +207,7 @@ if __name__ == "__main__":
         for i, result in enumerate(pool.imap(double, arrays)):
             firsts.append(float(result[0]))
             if i == 5:
-                time.sleep(1.5)  # the workers go on; their results wait for us
+                time.sleep(0.8)  # the workers go on; their results wait for us
         print(firsts == [2.0 * i for i in range(400)], pool.apply(sum, ([1, 2],)))
 """
 

@@ -648,14 +648,19 @@ def _consumer_or_producer(rank, q, producer_done):
 
     mp.set_sharing_strategy("file_system")  # the parent never uses file_system
     if rank == 1:  # producer: put, flush, exit
+        q.put(os.getpid())
         q.put(sharing.zeros(100_000) + 1)
         q.close()
         q.join_thread()
         producer_done.set()
         return None
     keep = sharing.zeros(10)  # the consumer is a client of the tree's daemon from here on
+    producer = q.get(timeout=30)
     producer_done.wait(30)
-    time.sleep(1.5)  # longer than the daemon grace: a daemon of the producer's own would
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{producer}") and time.monotonic() < deadline:
+        time.sleep(0.01)  # gone (and reaped)
+    time.sleep(0.5)  # then 2.5x the daemon grace: a daemon of the producer's own would
     return float(q.get(timeout=30).sum()), float(keep.sum())  # have unlinked it by now
 
 
@@ -674,7 +679,7 @@ def test_ranks_of_one_tree_share_one_daemon(start_method):
                            start_method={start_method!r}))
         """
     )
-    result = run_script(code, env_extra={"PROCSPAWN_DAEMON_GRACE": "0.5"})
+    result = run_script(code, env_extra={"PROCSPAWN_DAEMON_GRACE": "0.2"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[(100000.0, 0.0), None]"
 

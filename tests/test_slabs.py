@@ -136,7 +136,9 @@ def _carve_send_drop(q, n):
     q.join_thread()
 
 
-def test_a_producer_that_drops_each_array_fills_one_slab():
+def test_a_producer_that_drops_each_array_fills_one_slab(monkeypatch):
+    # the default linger: the full queue pauses the producer longer than the suite's
+    monkeypatch.setenv("PROCSPAWN_SLAB_LINGER", "1")
     q = mp.get_context("spawn").Queue(maxsize=64)
     p = mp.get_context("spawn").Process(target=_carve_send_drop, args=(q, 3000))
     p.start()

@@ -225,6 +225,62 @@ def test_an_imap_over_arrays_with_a_slow_consumer_at_a_low_descriptor_limit(tmp_
     assert result.stdout.split() == ["True", "3"], result.stdout + result.stderr
 
 
+_IMAP_CLOSE_JOIN = """
+import resource, sys
+import numpy as np
+import procspawn as mp
+
+def square(x):
+    return x * x
+
+def big(i):
+    return np.full(100_000, float(i))  # 800 KiB: a segment, a descriptor each
+
+if __name__ == "__main__":
+    limit, arrays = int(sys.argv[1]), sys.argv[2] == "arrays"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    n = 200 if arrays else 2000
+    pool = mp.Pool(2)
+    results = pool.imap(big if arrays else square, range(n))
+    pool.close()
+    pool.join()  # every task done, their results waiting here
+    got, errors = [], set()
+    while True:
+        try:
+            item = next(results)
+        except StopIteration:
+            break
+        except mp.FdLimitError as exc:  # a result past the descriptor limit
+            errors.add(type(exc).__name__)
+            got.append(None)
+        else:
+            got.append(float(item[0]) if arrays else item)
+            del item
+    expected = [float(i) if arrays else i * i for i in range(n)]
+    print(len(got), all(g is None or g == e for g, e in zip(got, expected)), sorted(errors))
+"""
+
+
+@pytest.mark.parametrize("kind", ["values", "arrays"])
+def test_imap_then_close_and_join_returns_with_every_result_waiting(kind, tmp_path):
+    """``imap(); close(); join()``, then the results: join returns as the stdlib's does.
+    The results waiting for a slow caller are bounded by descriptors (see the test
+    above), and this caller waits in join: values hold none, so all arrive (join waited
+    forever, at any limit under 4 x 2,000); arrays past a limit of 64 are each a clear
+    FdLimitError, never a hang."""
+    from _helpers import run_file
+
+    script = tmp_path / "imap_close_join.py"
+    script.write_text(_IMAP_CLOSE_JOIN)
+    limit = "64" if kind == "arrays" else "1024"
+    result = run_file(str(script), timeout=120, args=[limit, kind])
+    assert result.returncode == 0, result.stderr
+    count, right, errors = result.stdout.strip().split(maxsplit=2)
+    assert (count, right) == ("200" if kind == "arrays" else "2000", "True"), result.stdout
+    if kind == "values":
+        assert errors == "[]"
+
+
 _LOST_RESULTS = """
 import os, sys
 import numpy as np

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from multiprocessing import TimeoutError as _MpTimeoutError
 from multiprocessing.context import BaseContext
@@ -27,7 +28,7 @@ from multiprocessing.context import BaseContext
 from ..context._errors import ctrl_c_in_caller
 from ..context._progress import TICK, Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
-from ..sharing._errors import raise_fd_limit
+from ..sharing._errors import descriptors_used_past, raise_fd_limit
 from . import _worker
 from ._dispatcher import Dispatcher, Job, Task, check_options
 
@@ -362,14 +363,28 @@ class IMapIterator(Generic[_T]):
 
     def _wait_room(self, sent: int, ahead: int, room: int) -> bool:
         """The feeder: wait until fewer than ``ahead`` chunks are being worked on and
-        fewer than ``room`` wait for the caller (done or not); False once the job was
-        abandoned (the caller stopped or the pool ended)."""
+        fewer than ``room`` wait for the caller (done or not), unless the results waiting
+        hold no descriptors or the pool is being joined (see ``_results_room``); False
+        once the job was abandoned (the caller stopped or the pool ended)."""
         with self._cond:
-            while sent - self._settled >= ahead or sent - self._next_chunk >= room:
+            while sent - self._settled >= ahead or (
+                sent - self._next_chunk >= room and self._results_hold_descriptors()
+            ):
                 if self.job is None or self.job.abandoned or not self._dispatcher.alive():
                     return False
                 self._cond.wait(0.5)
             return self.job is not None and not self.job.abandoned
+
+    def _results_hold_descriptors(self) -> bool:
+        """Whether the results waiting for the caller may run this process out of
+        descriptors: it uses more than a quarter of them, and nobody waits in the pool's
+        ``join()`` (which returns once every task is done, as the stdlib's, so the results
+        may not wait for a caller who is waiting there: past the limit a result is an
+        ``FdLimitError``, never a hang)."""
+        pool = self._pool
+        if isinstance(pool, Pool) and pool._joining:
+            return False
+        return descriptors_used_past(0.25)
 
     def __del__(self) -> None:
         job = self.job
@@ -481,6 +496,8 @@ class Pool:
         max_memory_per_child: int | None = None,
     ) -> None:
         self._state = "INIT"
+        self._joining = False  # join() waits: imap's results no longer wait for room
+        self._iterators: weakref.WeakSet[IMapIterator[Any]] = weakref.WeakSet()
         if processes is None:
             processes = os.cpu_count() or 1
         if processes < 1:
@@ -843,6 +860,7 @@ class Pool:
             it._progress = shown
         job = _IMapJob(func, it)
         it.job = job
+        self._iterators.add(it)
         ahead = max(2, _FEED_AHEAD * self._processes)
         room = _results_room(chunksize, ahead)
         self._dispatcher.feeding(+1)
@@ -879,6 +897,10 @@ class Pool:
             raise ValueError("Pool is still running")
         if self._state not in ("CLOSE", "TERMINATE", "INIT"):
             raise ValueError(f"Pool is in an unknown state {self._state!r}")
+        self._joining = True
+        for it in list(self._iterators):  # an imap's feeder waiting for room goes on
+            with it._cond:
+                it._cond.notify_all()
         self._dispatcher.join()
 
     def __enter__(self) -> Pool:
@@ -904,7 +926,10 @@ def _results_room(chunksize: int, ahead: int) -> int:
     them (FdLimitError, the rest of the results lost) at a limit of 1,024. The results
     waiting are kept under a quarter of the limit (one array per item counted): no bound
     in effect where the limit is high (procspawn lifts the soft limit to the hard one),
-    as the stdlib's imap has none."""
+    as the stdlib's imap has none. Past it, the feeder still goes on while this process
+    uses under a quarter of its descriptors (results of plain values hold none), and
+    while ``join()`` waits (``imap(); close(); join()`` returned at once with the stdlib
+    and waited forever here, the results waiting for a caller who waited in ``join``)."""
     raise_fd_limit()
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:

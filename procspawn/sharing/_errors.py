@@ -33,6 +33,17 @@ def raise_fd_limit() -> None:
                 pass
 
 
+def descriptors_used_past(fraction: float) -> bool:
+    """Whether this process uses more than ``fraction`` of its soft RLIMIT_NOFILE: a new
+    descriptor takes the lowest number free, so every one below it is in use."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return False
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    os.close(fd)
+    return fd >= soft * fraction
+
+
 class FdLimitError(OSError):
     """This process ran out of file descriptors while receiving shared arrays.
 

@@ -173,3 +173,11 @@ def nested_executor_and_spawn(n):
         mapped = list(ex.map(square, range(n)))
     reusable = procspawn.get_reusable_executor(2, timeout=5)  # kept after the call
     return mapped, reusable.submit(square, n).result(), procspawn.spawn(add, args=(n,), nprocs=2)
+
+
+def wait_for_file(path, seconds):
+    """Run until ``path`` exists (at most ``seconds``); its name."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.path.basename(path)

@@ -24,6 +24,7 @@ from _pool_workers import (
     sleep_then_pid,
     slow_square,
     square,
+    wait_for_file,
 )
 
 import procspawn as mp
@@ -323,3 +324,46 @@ def test_kill_of_a_call_queued_behind_another_fails_it_alone():
         worker = first.result(DEADLINE)  # not killed: it finished on its worker
         assert third.result(DEADLINE) == worker
         assert ex.submit(pid_of).result(DEADLINE) == worker
+
+
+@pytest.mark.parametrize("make", ["executor", "pool"])
+def test_a_short_call_never_waits_behind_a_long_one_while_a_worker_is_idle(make, tmp_path):
+    """A worker running a call may be handed the next call of the same function to hold
+    behind it (a stream of tiny calls never waits for a round trip), but not with so few
+    calls waiting that another worker would go idle: the short calls all run on the
+    other worker while the long one runs, as with the stdlib's shared queue. (An
+    executor starts its workers as calls come: the first one up took the next call while
+    the second booted; a Pool held one of four calls behind the long one.)"""
+    release, done = str(tmp_path / "release"), str(tmp_path / "done")
+    open(done, "w").close()
+    if make == "executor":
+        ex = mp.ProcessPoolExecutor(2)
+        submit = lambda *args: ex.submit(wait_for_file, *args)  # noqa: E731
+        ex.submit(square, 2).result(DEADLINE)  # one worker up
+        shorts_count = 3
+    else:
+        ex = mp.Pool(2)
+        submit = lambda *args: ex.apply_async(wait_for_file, args)  # noqa: E731
+        ex.map(square, range(4))  # both workers up
+        shorts_count = 4
+    try:
+        long = submit(release, DEADLINE)
+        shorts = [submit(done, DEADLINE) for _ in range(shorts_count)]
+        deadline = time.monotonic() + DEADLINE
+        while not all(s.done() if make == "executor" else s.ready() for s in shorts):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        finished = sum(s.done() if make == "executor" else s.ready() for s in shorts)
+        assert finished == shorts_count, f"{finished} of {shorts_count} short calls done"
+        assert not (long.done() if make == "executor" else long.ready())
+        open(release, "w").close()
+        value = long.result(DEADLINE) if make == "executor" else long.get(DEADLINE)
+        assert value == "release"
+    finally:
+        open(release, "w").close()
+        if make == "executor":
+            ex.shutdown()
+        else:
+            ex.close()
+            ex.join()

@@ -873,10 +873,9 @@ class Dispatcher:
             # eof: it is dying; no main_index yet: what to send by name is not known
             if not w.stopping and w.budget != 0 and not w.reader.eof and w.main_index is not None
         ]
-        # One task to each worker with none. Then, with a backlog, one more to a ready
-        # worker whose task calls the same function as the next one (a map, a loop of
-        # submits): it never waits for the round trip between two tiny tasks, and a short
-        # task never waits behind an unrelated long one.
+        # One task to each worker with none. Then, with a deep backlog, one more to a
+        # ready worker whose task calls the same function as the next one (a map, a loop
+        # of submits): see _may_prefetch.
         for room in (1, 2):
             for worker in open_workers:
                 if not self._pending:
@@ -884,12 +883,23 @@ class Dispatcher:
                 # budget: a worker given its last task in the first round gets no more
                 if len(worker.tasks) >= room or worker.budget == 0:
                     continue
-                if room == 2 and worker.tasks:
-                    if len(self._pending) <= len(open_workers):
-                        return
-                    if not worker.ready or worker.tasks[0].job.fn is not self._pending[0].job.fn:
-                        continue
+                if room == 2 and not self._may_prefetch(worker):
+                    continue
                 self._give(worker)
+
+    def _may_prefetch(self, worker: _Worker) -> bool:
+        """Whether ``worker``, running a task, may be given the next one to hold behind
+        it: it then never waits for the round trip between two tiny tasks. Only the same
+        function (a short call never waits behind an unrelated long one), and only with
+        more than two tasks waiting per worker, the workers still starting counted (a
+        call held behind a long one while another worker is idle waits for nothing, as
+        it would with the stdlib's shared queue; a worker that started first took the
+        next call while the others booted)."""
+        return (
+            worker.ready
+            and len(self._pending) > 2 * self._live_count()
+            and worker.tasks[0].job.fn is self._pending[0].job.fn
+        )
 
     def _give(self, worker: _Worker) -> None:
         """Hand the next task that can go to ``worker``: cancelled ones are dropped, and
@@ -1100,7 +1110,7 @@ class Dispatcher:
             and worker.budget != 0
             and not worker.reader.eof
             and len(worker.tasks) < 2
-            and (not worker.tasks or worker.tasks[0].job.fn is self._pending[0].job.fn)
+            and (not worker.tasks or self._may_prefetch(worker))
         ):
             self._give(worker)
         if not worker.tasks:

@@ -178,6 +178,30 @@ def test_terminate_during_imap_fails_the_rest_with_the_same_error(maxtasksperchi
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["imap", "imap_unordered"])
+def test_terminate_fails_an_imap_whose_input_waits(kind):
+    """A pipeline's imap over a queue that is not fed again: after terminate(), next()
+    raises at once (it waited forever for the input the feeder was still reading)."""
+    import queue
+
+    source: queue.Queue = queue.Queue()
+    source.put(3)
+    p = mp.Pool(2, context="fork")
+    try:
+        it = getattr(p, kind)(square, iter(source.get, None))
+        assert next(it) == 9
+        p.terminate()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="terminated"):
+            next(it)
+        assert time.monotonic() - started < DEADLINE
+    finally:
+        source.put(None)  # the feeder thread, still reading, ends
+        p.terminate()
+        p.join()
+
+
+@pytest.mark.timeout(60)
 def test_close_lets_the_work_given_finish():
     p = mp.Pool(2, context="fork")
     it = p.imap(square, range(30), chunksize=2)

@@ -288,6 +288,7 @@ class Dispatcher:
         self.idle_timeout = idle_timeout
         self.name = name
         self.state = RUNNING
+        self._terminated = False
         self.broken: BaseException | None = None
         self._owner = os.getpid()
         self._lock = threading.Lock()
@@ -482,6 +483,7 @@ class Dispatcher:
         with self._lock:
             if self.state in (RUNNING, CLOSING):
                 self.state = STOPPING
+                self._terminated = True
                 self._stop_grace = grace
                 self._stop_error = error
                 procs = [w.proc for w in list(self._workers.values())]
@@ -785,6 +787,14 @@ class Dispatcher:
         procs = [w.proc for w in self._workers.values()]
         stop(procs, grace)
 
+    def terminated_error(self) -> BaseException | None:
+        """Once ``terminate()`` has failed every task it stopped: the error they got, for
+        work that never became a task (an imap whose input was still being read);
+        None before, or for a pool that ended after ``close()``."""
+        if self.state == DONE and self._terminated:
+            return self._stopped_error()
+        return None
+
     def _stopped_error(self) -> BaseException:
         """What a task not finished when the pool was stopped fails with."""
         return getattr(self, "_stop_error", None) or RuntimeError(
@@ -1051,11 +1061,13 @@ class Dispatcher:
         elif tag == "r":
             task = worker.tasks.popleft()
             self._answered(worker)
+            self._output.forward_now(worker.slot)  # what the task printed comes first
             _settle(task, True, message[1])
             self._done_with(worker)
         elif tag == "e":
             task = worker.tasks.popleft()
             self._answered(worker)
+            self._output.forward_now(worker.slot)
             _settle(task, False, remote_error(message[1], message[2], self.break_on_death))
             self._done_with(worker)
         elif tag == "R":

@@ -41,6 +41,7 @@ else:
 _T = TypeVar("_T")  # what a call returns
 _S = TypeVar("_S")  # an item of a map's input
 
+_STOP_CHECK = 0.5  # imap: how often a waiting next() looks whether the pool was stopped
 _FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
 
 
@@ -320,11 +321,17 @@ class IMapIterator(Generic[_T]):
                         if error is not None:
                             raise error
                         raise StopIteration
+                    terminated = self._dispatcher.terminated_error()
+                    if terminated is not None:  # no more results will come
+                        raise terminated
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise _MpTimeoutError
                     if progress is None:
-                        self._cond.wait(remaining)
+                        # (woken by terminate(); the slice covers a pool stopped otherwise)
+                        self._cond.wait(
+                            _STOP_CHECK if remaining is None else min(_STOP_CHECK, remaining)
+                        )
                     else:
                         progress.render()
                         self._cond.wait(TICK if remaining is None else min(TICK, remaining))
@@ -885,6 +892,9 @@ class Pool:
         not ready fail with a RuntimeError. Leaving a ``with`` block calls it."""
         self._state = "TERMINATE"
         self._dispatcher.terminate()
+        for it in list(self._iterators):  # a next() waiting for input never fed raises
+            with it._cond:
+                it._cond.notify_all()
 
     @ctrl_c_in_caller
     def join(self) -> None:

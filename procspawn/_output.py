@@ -130,6 +130,9 @@ class OutputForwarder:
         self._tail_lines = max(0, tail_lines)
         self._tail_bytes = max(0, tail_bytes)
         self._cond = threading.Condition()
+        # held while a pipe is read and what came forwarded, and while it is closed (taken
+        # before _cond): forward_now() reads from another thread than the forwarder's
+        self._io = threading.RLock()
         self._by_rank: dict[int, list[_Stream]] = {}
         self._pending: list[_Stream] = []  # made by pipe(), not yet known to the thread
         # fd -> stream not at EOF: the thread's own (before it runs, pipe() adds to it)
@@ -190,6 +193,31 @@ class OutputForwarder:
                 self._wake()  # under the lock: close() cannot close the wake pipe meanwhile
         return write_end
 
+    def forward_now(self, rank: int) -> None:
+        """Forward at once, from the caller's thread, what ``rank`` has written so far.
+
+        Its owner calls it before acting on what ``rank`` sent it another way: a pool
+        worker's lines come out before the caller gets the result of the task that
+        printed them (and are not lost if the caller then leaves with ``os._exit``).
+        The end of a pipe (EOF) is left to the thread, or to ``close()``."""
+        streams = self._by_rank.get(rank)
+        if not streams:
+            return
+        spoke = False
+        with self._io:
+            for entry in streams:
+                while not entry.done:  # (done: closed, under _io: the fd is not ours)
+                    try:
+                        data = os.read(entry.fd, _READ_SIZE)
+                    except OSError:  # BlockingIOError: nothing more for now
+                        break
+                    if not data:
+                        break
+                    spoke = True
+                    self._received(entry, data)
+        if spoke and self._thread is None:
+            self.release()  # held: a partial line is shown after FLUSH_AFTER by the thread
+
     def hold(self) -> None:
         """Start no thread for the pipes made from now on until ``release()``: their owner
         watches ``fileno()``, readable once any of them is, and calls ``release()``
@@ -211,7 +239,7 @@ class OutputForwarder:
         """For the owner, when ``fileno()`` turned readable: close here the held pipes
         that reached EOF with nothing to forward (children that exited without a word);
         True when one has something to forward (then call ``release()``)."""
-        with self._cond:  # re-entrant: _eof takes it too
+        with self._io, self._cond:  # re-entrant: _eof takes them too
             if self._thread is not None or self._selector is None:
                 return False
             speaks = False
@@ -242,7 +270,7 @@ class OutputForwarder:
         Returns:
             True when it did (or ``rank`` has no pipe), False if ``timeout`` passed first.
         """
-        with self._cond:
+        with self._io, self._cond:  # (_io first, as everywhere)
             if self._thread is None:
                 self.settle_held()  # held pipes that only reached their end close here
             quiet = all(s.done for s in self._by_rank.get(rank, ()))
@@ -308,11 +336,12 @@ class OutputForwarder:
                 self._selector.close()  # never used: no thread ran (else it closed it)
             self._selector = None
         for entry in leftovers:  # only pipes the thread never got to (none normally)
-            entry.done = True
-            try:
-                os.close(entry.fd)
-            except OSError:
-                pass
+            with self._io:
+                entry.done = True
+                try:
+                    os.close(entry.fd)
+                except OSError:
+                    pass
         for f in logs:
             try:
                 f.close()
@@ -430,17 +459,20 @@ class OutputForwarder:
 
     def _read(self, entry: _Stream, selector: selectors.BaseSelector | None) -> bool:
         """Read once from ``entry``; False at EOF or when nothing is there."""
-        try:
-            data = os.read(entry.fd, _READ_SIZE)
-        except BlockingIOError:
-            return False
-        except OSError:
-            data = b""
-        if not data:
-            self._eof(entry, selector)
-            return False
-        self._received(entry, data)
-        return True
+        with self._io:
+            if entry.done:
+                return False
+            try:
+                data = os.read(entry.fd, _READ_SIZE)
+            except BlockingIOError:
+                return False
+            except OSError:
+                data = b""
+            if not data:
+                self._eof(entry, selector)
+                return False
+            self._received(entry, data)
+            return True
 
     def _received(self, entry: _Stream, data: bytes) -> None:
         log = self._logs.get(entry.rank)
@@ -509,10 +541,11 @@ class OutputForwarder:
         return max(0.0, min(since) + FLUSH_AFTER - time.monotonic())
 
     def _flush_stale(self, now: float) -> None:
-        for entry in list(self._open.values()):
-            if entry.partial and now - entry.partial_since >= FLUSH_AFTER:
-                text, entry.partial = entry.partial, ""
-                self._show_prefixed(entry, text)
+        with self._io:
+            for entry in list(self._open.values()):
+                if entry.partial and now - entry.partial_since >= FLUSH_AFTER:
+                    text, entry.partial = entry.partial, ""
+                    self._show_prefixed(entry, text)
 
     def _end_line(self, entry: _Stream) -> None:
         """At EOF: show what is held and end a partial last line with a newline."""
@@ -528,6 +561,10 @@ class OutputForwarder:
             self._show_prefixed(entry, "\n")
 
     def _eof(self, entry: _Stream, selector: selectors.BaseSelector | None) -> None:
+        with self._io:
+            self._eof_locked(entry, selector)
+
+    def _eof_locked(self, entry: _Stream, selector: selectors.BaseSelector | None) -> None:
         if selector is not None:
             try:
                 selector.unregister(entry.fd)

@@ -893,7 +893,7 @@ class Dispatcher:
                 # budget: a worker given its last task in the first round gets no more
                 if len(worker.tasks) >= room or worker.budget == 0:
                     continue
-                if room == 2 and not self._may_prefetch(worker):
+                if room == 2 and worker.tasks and not self._may_prefetch(worker):
                     continue
                 self._give(worker)
 

@@ -67,4 +67,4 @@ def test_example_runs(name, example_runs):
         assert first.startswith("7 of 8 chunks done (the one that crashed its worker: done, "), (
             first
         )
-        assert "skipped by the 2 s task_timeout: 1, at images [384]" in first, first
+        assert "skipped by the 1 s task_timeout: 1, at images [384]" in first, first

@@ -904,10 +904,12 @@ class Dispatcher:
         more than two tasks waiting per worker, the workers still starting counted (a
         call held behind a long one while another worker is idle waits for nothing, as
         it would with the stdlib's shared queue; a worker that started first took the
-        next call while the others booted)."""
+        next call while the others booted). A pool of one worker has no other worker a
+        call could wait for: there, two waiting are enough."""
+        live = self._live_count()
         return (
             worker.ready
-            and len(self._pending) > 2 * self._live_count()
+            and len(self._pending) > (1 if live <= 1 else 2 * live)
             and worker.tasks[0].job.fn is self._pending[0].job.fn
         )
 

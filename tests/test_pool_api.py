@@ -1272,3 +1272,62 @@ def test_a_ctrl_c_right_after_sigint_is_blocked_leaves_it_unblocked(monkeypatch)
         blocked = signal_module.SIGINT in real(signal_module.SIG_BLOCK, ())
         real(signal_module.SIG_UNBLOCK, (signal_module.SIGINT,))
     assert not blocked
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", ["pool", "executor"])
+def test_a_callback_that_waits_for_the_pool_gets_an_error_not_a_hang(make):
+    """A callback runs in the thread that serves the pool: one that waited there for the
+    pool's work (pool.apply, get(), result() of a call not done, an executor map) hung
+    it, and terminate() and the program's exit with it. It now raises RuntimeError in
+    the callback; what is done already may still be read; the pool goes on."""
+    caught: list[BaseException | object] = []
+    done = threading.Event()
+    if make == "pool":
+        p = mp.Pool(2, context="fork")
+        earlier = p.apply_async(square, (2,))
+        earlier.get(DEADLINE)
+
+        def callback(value):
+            try:
+                caught.append(earlier.get(0))  # done: fine
+                p.apply(square, (3,))
+            except BaseException as exc:
+                caught.append(exc)
+            finally:
+                done.set()
+
+        p.apply_async(square, (5,), callback=callback)
+    else:
+        p = mp.ProcessPoolExecutor(2, mp_context="fork")
+
+        def callback(future):
+            try:
+                caught.append(future.result(0))  # done: fine
+                caught.append(list(p.map(square, [5])))
+            except BaseException as exc:
+                caught.append(exc)
+            try:
+                p.submit(square, 3).result()
+            except BaseException as exc:
+                caught.append(exc)
+            finally:
+                done.set()
+
+        p.submit(square, 2).add_done_callback(callback)
+    try:
+        assert done.wait(DEADLINE)
+        assert caught[0] == 4
+        errors = caught[1:]
+        assert errors and all(isinstance(e, RuntimeError) for e in errors), errors
+        assert all("callback of this pool" in str(e) for e in errors), errors
+        if make == "pool":
+            assert p.apply(square, (4,)) == 16  # it goes on
+        else:
+            assert p.submit(square, 4).result(DEADLINE) == 16
+    finally:
+        if make == "pool":
+            p.terminate()
+            p.join()
+        else:
+            p.shutdown(cancel_futures=True)

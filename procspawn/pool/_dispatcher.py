@@ -550,6 +550,17 @@ class Dispatcher:
                 "process."
             )
 
+    def check_not_serving(self) -> None:
+        """Raise in the thread that serves the pool, where its callbacks run: a wait there
+        for the pool's work would never end (nothing else hands out or reads its tasks)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "a callback of this pool (a callback= or error_callback=, or a future's "
+                "done-callback) cannot wait for the pool's work: it runs in the thread that "
+                "serves the pool, so the wait would never end. Hand the work to another "
+                "thread instead (say, put it in a queue.Queue that the main thread reads)."
+            )
+
     # -- the dispatcher thread --------------------------------------------------------------
 
     def _run(self) -> None:

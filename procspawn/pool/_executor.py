@@ -51,8 +51,25 @@ class Future(_cf.Future[_T]):
     """
 
     _procspawn_kill: Callable[[], None] | None = None
-    result = ctrl_c_in_caller(_cf.Future.result)
-    exception = ctrl_c_in_caller(_cf.Future.exception)
+    _procspawn_dispatcher: Dispatcher | None = None
+
+    @ctrl_c_in_caller
+    def result(self, timeout: float | None = None) -> _T:
+        """As ``concurrent.futures.Future.result``; raises RuntimeError when a callback of
+        the executor (a done-callback) waits for a call not done (it would never end)."""
+        self._check_waitable()
+        return _cf.Future.result(self, timeout)
+
+    @ctrl_c_in_caller
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """As ``concurrent.futures.Future.exception``; see ``result``."""
+        self._check_waitable()
+        return _cf.Future.exception(self, timeout)
+
+    def _check_waitable(self) -> None:
+        dispatcher = self._procspawn_dispatcher
+        if dispatcher is not None and not self.done():
+            dispatcher.check_not_serving()
 
     def kill(self) -> bool:
         """Stop this call now, whatever its state but done.
@@ -284,6 +301,7 @@ class ProcessPoolExecutor(_cf.Executor):
             # the job holds the future: the future holds the job weakly, or the two would
             # be a cycle keeping the result (shared arrays) until a garbage collection
             future._procspawn_kill = functools.partial(_kill, self._dispatcher, weakref.ref(job))
+            future._procspawn_dispatcher = self._dispatcher
             self._dispatcher.submit([Task(job, 0, _worker.APPLY, (args, kwargs))])
         return future
 
@@ -357,7 +375,7 @@ class ProcessPoolExecutor(_cf.Executor):
                 job = _ChunksJob(fn, futures, shown)
                 self._dispatcher.submit(Task(job, n, kind, chunk) for n, chunk in enumerate(chunks))
                 stop = functools.partial(_kill, self._dispatcher, weakref.ref(job))
-        return _results(list(futures), end_time, shown, stop)
+        return _results(list(futures), end_time, shown, stop, self._dispatcher)
 
     @ctrl_c_in_caller
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -395,6 +413,7 @@ def _results(
     end_time: float | None,
     progress: Progress | None = None,
     stop: Callable[[], None] | None = None,
+    dispatcher: Dispatcher | None = None,
 ) -> Iterator[_T]:
     """map's values in order; nothing of a value is held once it was yielded. Ctrl-C
     while it waits calls ``stop`` (the map's chunks still running are killed)."""
@@ -402,6 +421,8 @@ def _results(
         futures.reverse()
         while futures:
             future = futures[-1]
+            if dispatcher is not None and not future.done():
+                dispatcher.check_not_serving()
             if progress is not None:
                 wait_showing(
                     functools.partial(_done_within, future),

@@ -102,7 +102,12 @@ class ApplyResult(Generic[_T]):
 
         Args:
             timeout: seconds to wait at most; None: until it finished.
+
+        Raises:
+            RuntimeError: called by a callback of the pool while the call is not done.
         """
+        if not self._event.is_set():
+            self._dispatcher.check_not_serving()
         self._event.wait(timeout)
 
     @ctrl_c_in_caller
@@ -127,8 +132,12 @@ class ApplyResult(Generic[_T]):
                 ``os._exit``, the out-of-memory killer), ``retries`` times over.
             TaskTimeoutError: it ran longer than the pool's ``task_timeout``.
             InitializerError: the pool's ``initializer`` raised: no task can run.
-            RuntimeError: the pool was terminated before it finished.
+            RuntimeError: the pool was terminated before it finished, or ``get`` was
+                called by a callback of the pool while the call was not done (it would
+                wait forever).
         """
+        if not self._event.is_set():
+            self._dispatcher.check_not_serving()
         try:
             if self._progress is None:
                 self._event.wait(timeout)
@@ -324,6 +333,7 @@ class IMapIterator(Generic[_T]):
                     terminated = self._dispatcher.terminated_error()
                     if terminated is not None:  # no more results will come
                         raise terminated
+                    self._dispatcher.check_not_serving()
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise _MpTimeoutError

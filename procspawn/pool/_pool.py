@@ -902,9 +902,7 @@ class Pool:
         not ready fail with a RuntimeError. Leaving a ``with`` block calls it."""
         self._state = "TERMINATE"
         self._dispatcher.terminate()
-        for it in list(self._iterators):  # a next() waiting for input never fed raises
-            with it._cond:
-                it._cond.notify_all()
+        self._wake_iterators()  # a next() waiting for input never fed raises
 
     @ctrl_c_in_caller
     def join(self) -> None:
@@ -918,10 +916,15 @@ class Pool:
         if self._state not in ("CLOSE", "TERMINATE", "INIT"):
             raise ValueError(f"Pool is in an unknown state {self._state!r}")
         self._joining = True
-        for it in list(self._iterators):  # an imap's feeder waiting for room goes on
+        self._wake_iterators()  # an imap's feeder waiting for room goes on
+        self._dispatcher.join()
+
+    def _wake_iterators(self) -> None:
+        """Wake what waits on this pool's imap iterators (their callers, their feeders)
+        to look again at the pool's state."""
+        for it in list(self._iterators):
             with it._cond:
                 it._cond.notify_all()
-        self._dispatcher.join()
 
     def __enter__(self) -> Pool:
         self._check_running()

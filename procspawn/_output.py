@@ -258,9 +258,14 @@ class OutputForwarder:
     def settle_held(self) -> bool:
         """For the owner, when ``fileno()`` turned readable: close here the held pipes
         that reached EOF with nothing to forward (children that exited without a word);
-        True when one has something to forward (then call ``release()``)."""
+        True when one has something to forward (then call ``release()``), or when the
+        thread forwards them already (``forward_now`` or ``wait_eof`` started it): the
+        owner stops watching ``fileno()``, which the thread's reads make readable now and
+        then."""
         with self._io, self._cond:  # re-entrant: _eof takes them too
-            if self._thread is not None or self._selector is None:
+            if self._thread is not None:
+                return True
+            if self._selector is None:
                 return False
             speaks = False
             for key, _ in self._selector.select(0):

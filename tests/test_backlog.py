@@ -192,7 +192,7 @@ def test_a_producer_at_a_low_descriptor_limit_far_ahead_of_its_consumer(strategy
 
 
 _SLOW_IMAP_CONSUMER = """
-import resource, time
+import resource, sys, time
 import numpy as np
 import procspawn as mp
 
@@ -201,26 +201,31 @@ def double(x):
 
 if __name__ == "__main__":
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    n = 400 if sys.argv[1] == "generator" else 150
     with mp.Pool(2) as pool:
-        arrays = (np.full(100_000, float(i)) for i in range(400))  # 800 KiB: a segment each
+        arrays = (np.full(100_000, float(i)) for i in range(n))  # 800 KiB: a segment each
+        if sys.argv[1] == "list":  # handed out in batches, not chunk by chunk
+            arrays = list(arrays)
         firsts = []
         for i, result in enumerate(pool.imap(double, arrays)):
             firsts.append(float(result[0]))
             if i == 5:
                 time.sleep(0.8)  # the workers go on; their results wait for us
-        print(firsts == [2.0 * i for i in range(400)], pool.apply(sum, ([1, 2],)))
+        print(firsts == [2.0 * i for i in range(n)], pool.apply(sum, ([1, 2],)))
 """
 
 
-def test_an_imap_over_arrays_with_a_slow_consumer_at_a_low_descriptor_limit(tmp_path):
+@pytest.mark.parametrize("source", ["generator", "list"])
+def test_an_imap_over_arrays_with_a_slow_consumer_at_a_low_descriptor_limit(source, tmp_path):
     """Each result waiting for the caller holds a descriptor (file_descriptor): the
     results done ahead are kept under a quarter of the limit, so a caller that holds
-    one result at a time gets them all (it got FdLimitError after about 40 at 64)."""
+    one result at a time gets them all (it got FdLimitError after about 40 at 64).
+    A list's chunks go in batches, each sent once a quarter of the bound is free."""
     from _helpers import run_file
 
     script = tmp_path / "slow_imap.py"
     script.write_text(_SLOW_IMAP_CONSUMER)
-    result = run_file(str(script), timeout=150)
+    result = run_file(str(script), timeout=150, args=[source])
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "3"], result.stdout + result.stderr
 

@@ -202,6 +202,57 @@ def test_terminate_fails_an_imap_whose_input_waits(kind):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["imap", "imap_unordered"])
+def test_an_imap_runs_what_its_input_gave_while_the_next_item_waits(kind):
+    """A pipeline over a queue fed now and then: each item goes to the pool as soon as
+    it was read (the feeder reads an iterator's items in batches of several chunks, and
+    would hold the ones read while it waits for the next)."""
+    import queue
+
+    source: queue.Queue = queue.Queue()
+    p = mp.Pool(2, context="fork")
+    try:
+        it = getattr(p, kind)(square, iter(source.get, None))
+        for burst in ([1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11, 12, 13]):
+            for x in burst:
+                source.put(x)
+            got = []
+            for _ in burst:
+                got.append(it.next(timeout=DEADLINE))  # TimeoutError: held back
+            assert sorted(got) == [x * x for x in burst]
+        source.put(None)
+        assert list(it) == []
+    finally:
+        source.put(None)
+        p.terminate()
+        p.join()
+
+
+def _input_raising_at(n):
+    yield from range(n)
+    raise KeyError("the input broke")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("source", ["list", "generator"])
+@pytest.mark.parametrize("chunksize", [1, 7])
+def test_an_imap_gives_every_result_of_a_long_input_in_order(source, chunksize):
+    """Past the chunks handed out at once (a list's go in batches, an iterator's one by
+    one as room comes), every result comes, in order, and an input that raises ends the
+    results there with its error (the items of a chunk it did not finish are lost with
+    it, as with the stdlib's)."""
+    n = 3000
+    items = list(range(n)) if source == "list" else iter(range(n))
+    with mp.Pool(2, context="fork") as p:
+        assert list(p.imap(square, items, chunksize)) == [x * x for x in range(n)]
+        it = p.imap(square, _input_raising_at(100), chunksize)
+        whole = 100 // chunksize * chunksize
+        assert [it.next(timeout=DEADLINE) for _ in range(whole)] == [x * x for x in range(whole)]
+        with pytest.raises(KeyError, match="the input broke"):
+            it.next(timeout=DEADLINE)
+
+
+@pytest.mark.timeout(60)
 def test_close_lets_the_work_given_finish():
     p = mp.Pool(2, context="fork")
     it = p.imap(square, range(30), chunksize=2)

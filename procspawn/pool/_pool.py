@@ -13,7 +13,9 @@ arrays through shared memory.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import os
 import resource
 import sys
@@ -42,7 +44,15 @@ _T = TypeVar("_T")  # what a call returns
 _S = TypeVar("_S")  # an item of a map's input
 
 _STOP_CHECK = 0.5  # imap: how often a waiting next() looks whether the pool was stopped
-_FEED_AHEAD = 4  # imap: chunks handed to the pool per worker ahead of the results taken
+# imap over an iterator: chunks handed to the pool per worker ahead of the results taken.
+# Two per worker are held by the workers (one running, one prefetched); the dispatcher
+# prefetches only with more than two per worker waiting (see Dispatcher._may_prefetch):
+# at 4, a worker waited for each round trip and imap was 2-3x map's time per task
+_FEED_AHEAD = 8
+# imap over a list, tuple or range: its items exist already, so reading ahead costs no
+# memory: every chunk is handed out at once (the results-waiting bound aside), in one
+# submit, and the feeder is woken again only once a quarter of what it sent is done
+_SEQUENCES = (list, tuple, range)
 
 
 class ApplyResult(Generic[_T]):
@@ -273,7 +283,12 @@ class IMapIterator(Generic[_T]):
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
         self._pool: object = None  # the Pool that made it (see ApplyResult)
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the callers of next() wait on it
+        self._room = threading.Condition(lock)  # the feeder waits on it
+        # the feeder, waiting for room, is woken once this many chunks settled or were
+        # taken (None: it does not wait)
+        self._feeder_wants: tuple[int, int] | None = None
         self._items: dict[int, tuple[bool, Any]] = {}  # chunk index -> outcome
         self._buffer: list[Any] = []  # values of the current chunk not yet taken
         self._next_chunk = 0
@@ -319,7 +334,7 @@ class IMapIterator(Generic[_T]):
                         return item
                     outcome = self._take_next()
                     if outcome is not None:
-                        self._cond.notify_all()  # the feeder may wait for room
+                        self._wake_feeder()  # it may wait for room
                         ok, value = outcome
                         if not ok:
                             raise value
@@ -368,9 +383,30 @@ class IMapIterator(Generic[_T]):
 
     def _put(self, index: int, ok: bool, value: Any) -> None:
         with self._cond:
-            self._items[index] = (ok, value)
+            self._store(index, (ok, value))
             self._settled += 1
+            if self._awaited(index):
+                self._cond.notify_all()
+            self._wake_feeder()
+
+    def _store(self, index: int, outcome: tuple[bool, Any]) -> None:
+        self._items[index] = outcome
+
+    def _awaited(self, index: int) -> bool:
+        """Whether a caller of next() may be waiting for the chunk ``index``."""
+        return index == self._next_chunk
+
+    def _wake_feeder(self) -> None:
+        wants = self._feeder_wants
+        if wants is not None and (self._settled >= wants[0] or self._next_chunk >= wants[1]):
+            self._room.notify()
+
+    def _wake_all(self) -> None:
+        """Wake the callers and the feeder to look again (the input ended, the pool is
+        stopping)."""
+        with self._cond:
             self._cond.notify_all()
+            self._room.notify_all()
 
     def _input_done(self, chunks: int, error: BaseException | None) -> None:
         with self._cond:
@@ -378,19 +414,34 @@ class IMapIterator(Generic[_T]):
             self._input_error = error
             self._cond.notify_all()
 
-    def _wait_room(self, sent: int, ahead: int, room: int) -> bool:
-        """The feeder: wait until fewer than ``ahead`` chunks are being worked on and
-        fewer than ``room`` wait for the caller (done or not), unless the results waiting
-        hold no descriptors or the pool is being joined (see ``_results_room``); False
-        once the job was abandoned (the caller stopped or the pool ended)."""
+    def _wait_room(self, sent: int, ahead: int, room: int, step: int) -> int:
+        """The feeder: how many chunks it may send now (0: none, ever: the job was
+        abandoned, the caller stopped or the pool ended). It waits until at least
+        ``step`` may go: fewer than ``ahead`` chunks are being worked on and fewer than
+        ``room`` wait for the caller (done or not), unless the results waiting hold no
+        descriptors or the pool is being joined (see ``_results_room``)."""
         with self._cond:
-            while sent - self._settled >= ahead or (
-                sent - self._next_chunk >= room and self._results_hold_descriptors()
-            ):
-                if self.job is None or self.job.abandoned or not self._dispatcher.alive():
-                    return False
-                self._cond.wait(0.5)
-            return self.job is not None and not self.job.abandoned
+            while True:
+                if self.job is None or self.job.abandoned:
+                    return 0
+                free = ahead - (sent - self._settled)
+                waiting = sent - self._next_chunk
+                bounded = waiting + step > room and self._results_hold_descriptors()
+                if bounded:
+                    free = min(free, room - waiting)
+                if free >= step:
+                    return free
+                if not self._dispatcher.alive():
+                    return 0
+                # woken by _put or next() once that much is there (or by _wake_all)
+                self._feeder_wants = (
+                    sent - ahead + step,
+                    sent - room + step if bounded else sys.maxsize,
+                )
+                try:
+                    self._room.wait(0.5)
+                finally:
+                    self._feeder_wants = None
 
     def _results_hold_descriptors(self) -> bool:
         """Whether the results waiting for the caller may run this process out of
@@ -419,13 +470,21 @@ class IMapUnorderedIterator(IMapIterator[_T]):
         dispatcher: the pool's dispatcher.
     """
 
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__(dispatcher)
+        self._arrived: collections.deque[tuple[bool, Any]] = collections.deque()
+
+    def _store(self, index: int, outcome: tuple[bool, Any]) -> None:
+        self._arrived.append(outcome)
+
+    def _awaited(self, index: int) -> bool:
+        return True
+
     def _take_next(self) -> tuple[bool, Any] | None:
-        if not self._items:
+        if not self._arrived:
             return None
-        index = next(iter(self._items))
-        outcome = self._items.pop(index)
         self._next_chunk += 1
-        return outcome
+        return self._arrived.popleft()
 
 
 if TYPE_CHECKING:
@@ -880,10 +939,13 @@ class Pool:
         self._iterators.add(it)
         ahead = max(2, _FEED_AHEAD * self._processes)
         room = _results_room(chunksize, ahead)
+        sequence = type(iterable) in _SEQUENCES
+        if sequence:
+            ahead = room  # (only the results-waiting bound)
         self._dispatcher.feeding(+1)
         threading.Thread(
             target=_feed,
-            args=(self._dispatcher, job, it, iter(iterable), chunksize, ahead, room),
+            args=(self._dispatcher, job, it, iter(iterable), chunksize, ahead, room, sequence),
             name="procspawn-pool-imap-feeder",
             daemon=True,
         ).start()
@@ -923,8 +985,7 @@ class Pool:
         """Wake what waits on this pool's imap iterators (their callers, their feeders)
         to look again at the pool's state."""
         for it in list(self._iterators):
-            with it._cond:
-                it._cond.notify_all()
+            it._wake_all()
 
     def __enter__(self) -> Pool:
         self._check_running()
@@ -968,37 +1029,56 @@ def _feed(
     chunksize: int,
     ahead: int,
     room: int,
+    sequence: bool,
 ) -> None:
     """imap's input, read in a thread of its own (a slow or blocking iterable never holds
     up the dispatcher): at most ``ahead`` chunks worked on at once, and ``room`` waiting
-    for the caller (see ``_results_room``)."""
+    for the caller (see ``_results_room``). Each chunk of an iterator goes as soon as it
+    was read (the next item may be long to come); a list, tuple or range is read without
+    waiting, so what may go goes in one submit, and the feeder waits for room again only
+    once a quarter of it is free."""
+    step = max(1, min(ahead, room) // 4)
     sent = 0
     error: BaseException | None = None
     try:
-        while True:
-            if not it._wait_room(sent, ahead, room):
+        done = False
+        while not done:
+            free = it._wait_room(sent, ahead, room, step)
+            if not free:
                 break
-            chunk = []
+            tasks: list[Task] = []
             try:
-                for _ in range(chunksize):
-                    chunk.append(next(source))
-            except StopIteration:
-                pass
-            if chunk:
-                try:
-                    # accepted before any close(): goes on after it, as the stdlib's does
-                    dispatcher.submit([Task(job, sent, _worker.MAP, chunk)], accepted=True)
-                except BaseException as exc:
-                    it._put(sent, False, exc)
-                sent += 1
-            if len(chunk) < chunksize:
-                break
+                for _ in range(free):
+                    chunk = list(itertools.islice(source, chunksize))
+                    if chunk:
+                        tasks.append(Task(job, sent + len(tasks), _worker.MAP, chunk))
+                    if len(chunk) < chunksize:
+                        done = True
+                        break
+                    if not sequence:
+                        sent = _submit(dispatcher, it, tasks, sent)
+                        tasks = []
+            finally:  # what was read goes, even when the iterable raised after it
+                sent = _submit(dispatcher, it, tasks, sent)
     except BaseException as exc:  # the iterable raised: its results end there
         error = exc
     finally:
         del source
         it._input_done(sent, error)
         dispatcher.feeding(-1)
+
+
+def _submit(dispatcher: Dispatcher, it: IMapIterator[Any], tasks: list[Task], sent: int) -> int:
+    """Hand imap's chunks to the pool; returns how many were sent in all."""
+    if not tasks:
+        return sent
+    try:
+        # accepted before any close(): goes on after it, as the stdlib's does
+        dispatcher.submit(tasks, accepted=True)
+    except BaseException as exc:
+        for task in tasks:
+            it._put(task.index, False, exc)
+    return sent + len(tasks)
 
 
 __all__ = [

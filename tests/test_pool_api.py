@@ -951,7 +951,27 @@ def test_a_missing_main_guard_fails_clearly_instead_of_looping(tmp_path):
     assert result.returncode == 1
     last = result.stderr[result.stderr.rindex("InitializerError") :]
     assert "died before they were ready" in last
-    assert 'no `if __name__ == "__main__":` guard' in last
+    assert 'without an `if __name__ == "__main__":` guard' in last
+
+
+@pytest.mark.timeout(90)
+def test_a_pool_made_by_a_module_the_guarded_main_imports_is_explained(tmp_path):
+    """The main module has its guard; a module it imports makes a pool at its top level.
+    The hint names that case too (it spoke only of the main module's guard)."""
+    (tmp_path / "helper.py").write_text(
+        "import procspawn as mp\n"
+        "def sq(x):\n"
+        "    return x * x\n"
+        "with mp.Pool(2, context='spawn') as _pool:\n"
+        "    TABLE = _pool.map(sq, range(4))\n"
+    )
+    script = tmp_path / "main.py"
+    script.write_text('import helper\nif __name__ == "__main__":\n    print(helper.TABLE)\n')
+    result = run_file(script)
+    assert result.returncode == 1
+    last = result.stderr[result.stderr.rindex("InitializerError") :]
+    assert "died before they were ready" in last
+    assert "or at the top level of a module it imports" in last
 
 
 @pytest.mark.timeout(60)

@@ -35,18 +35,22 @@ if TYPE_CHECKING:  # pragma: no cover
 
 DUPLICATE_SIGINT = 1.0  # seconds within which a second SIGINT is the same Ctrl-C
 
+_GUARD_HINT = (
+    "likely cause: code that starts processes runs when the main module is imported: at "
+    'its top level without an `if __name__ == "__main__":` guard, or at the top level of a '
+    "module it imports. Under the spawn and forkserver start methods every child imports "
+    "the main module again (and what it imports), so that code runs again in each child. "
+    "Put it under the guard, or in a function that the guarded code calls."
+)
 # (text in a dead child's stderr, what to tell the user)
 _HINTS = [
     (
         "bootstrapping phase",
-        'likely cause: the main module has no `if __name__ == "__main__":` guard. Under '
-        "the spawn and forkserver start methods every child imports the main module again, "
-        "so code at its top level that starts processes runs again in each child. Put the "
-        "code that starts them under that guard.",
+        _GUARD_HINT,
     ),
     (
         "procspawn.spawn() was called while this process was still starting",
-        'likely cause: the main module has no `if __name__ == "__main__":` guard (see above).',
+        _GUARD_HINT,
     ),
 ]
 

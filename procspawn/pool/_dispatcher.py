@@ -1264,9 +1264,11 @@ class Dispatcher:
         if not worker.ready and not words and self.start_method != "fork":
             msg += (
                 f"\nlikely cause: under the {self.start_method} start method a worker imports "
-                f"the main module again as it starts; a main module that makes a pool at its "
-                f'top level, without `if __name__ == "__main__":`, fails there (the error is '
-                f"printed on this program's stderr). Put that code under the guard."
+                f"the main module again (and what it imports) as it starts; code that makes a "
+                f"pool when the main module is imported (at its top level without an "
+                f'`if __name__ == "__main__":` guard, or at the top level of a module it '
+                f"imports) fails there (the error is printed on this program's stderr). Put "
+                f"that code under the guard, or in a function that the guarded code calls."
             )
         return ProcessExitedException(msg, worker.slot, worker.pid, code, name)
 

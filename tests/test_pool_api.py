@@ -849,6 +849,38 @@ def test_ctrl_c_while_terminate_waits_is_raised_once_the_workers_are_gone(how, t
     assert "Traceback" not in err, err
 
 
+_EXIT_WAIT_SCRIPT = """
+import sys
+import procspawn as mp
+from _pool_workers import sleep_forever
+
+if __name__ == "__main__":
+    ex = mp.ProcessPoolExecutor(2, mp_context=sys.argv[1])
+    ex.submit(sleep_forever, 1)  # never shut down: the program's end waits for it
+    print("ending", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_ctrl_c_while_the_programs_end_waits_for_an_executor_says_so_in_one_line(
+    method, tmp_path
+):
+    """The end of a program waits for its executor's work, as the stdlib's; a Ctrl-C
+    there stops the workers, and one line says so (it was a traceback of procspawn's
+    exit function; the stdlib's executor hangs there)."""
+    (tmp_path / "ending.py").write_text(_EXIT_WAIT_SCRIPT)
+    tests = os.path.join(ROOT, "tests")
+    out, err = _run_and_ctrl_c(
+        [sys.executable, "ending.py", method],
+        "ending",
+        tmp_path,
+        {"PYTHONPATH": os.pathsep.join([tests, ROOT]), "PROCSPAWN_GRACE_PERIOD": "2"},
+    )
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("KeyboardInterrupt: the program stopped"), err
+
+
 _EXECUTOR_MAP_SCRIPT = """
 import time
 import procspawn as mp

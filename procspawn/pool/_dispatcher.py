@@ -1406,15 +1406,24 @@ _live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 
 def _at_exit() -> None:
     """Stop what is still running as the program ends: the work of an executor is waited
-    for (as the stdlib's), unless the program ends on Ctrl-C; a Pool's is not."""
+    for (as the stdlib's), unless the program ends on Ctrl-C; a Pool's is not. A Ctrl-C
+    during that wait stops the workers: one line says so, not a traceback of this
+    function (the stdlib's executor hangs there)."""
     interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
-    for dispatcher in list(_live):
-        if dispatcher._owner != os.getpid():
-            continue
-        if dispatcher.break_on_death and not interrupted and dispatcher.alive():
-            dispatcher.close()
-            dispatcher.join()
-        else:
+    dispatchers = [d for d in list(_live) if d._owner == os.getpid()]
+    try:
+        for dispatcher in dispatchers:
+            if dispatcher.break_on_death and not interrupted and dispatcher.alive():
+                dispatcher.close()
+                dispatcher.join()
+            else:
+                dispatcher.terminate(ctrl_c_raises=False)
+    except KeyboardInterrupt:
+        sys.stderr.write(
+            "KeyboardInterrupt: the program stopped waiting, as it ended, for the work of "
+            "a ProcessPoolExecutor; its workers were stopped\n"
+        )
+        for dispatcher in dispatchers:
             dispatcher.terminate(ctrl_c_raises=False)
 
 

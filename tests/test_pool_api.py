@@ -327,6 +327,41 @@ def test_executor_map_timeout_and_cancel_futures():
 
 
 @pytest.mark.timeout(60)
+def test_calls_cancelled_by_shutdown_wake_wait_and_as_completed():
+    """``shutdown(cancel_futures=True)`` from one thread while another waits in
+    ``as_completed()`` on those futures: the waiter gets every one (done or cancelled);
+    ``wait()`` afterwards sees them all done (they waited forever, as with the stdlib's
+    executor: ``Future.cancel()`` alone does not tell them)."""
+    import concurrent.futures as cf
+
+    ex = mp.ProcessPoolExecutor(1, mp_context="fork")
+    try:
+        running = ex.submit(time.sleep, 0.3)
+        queued = [ex.submit(square, x) for x in range(20)]
+        seen: list[object] = []
+
+        def wait_all():
+            for f in cf.as_completed([running, *queued], timeout=DEADLINE):
+                seen.append(f)
+
+        waiter = threading.Thread(target=wait_all)
+        waiter.start()
+        deadline = time.monotonic() + DEADLINE
+        while not running.running():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ex.shutdown(wait=True, cancel_futures=True)
+        waiter.join(DEADLINE)
+        assert not waiter.is_alive()
+        assert len(seen) == 21
+        assert any(f.cancelled() for f in queued)
+        done, not_done = cf.wait(queued, timeout=0)
+        assert not not_done
+    finally:
+        ex.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
 def test_max_tasks_per_child_replaces_workers_even_under_fork():
     with mp.ProcessPoolExecutor(1, mp_context="fork", max_tasks_per_child=2) as ex:
         pids = [ex.submit(pid_of).result(DEADLINE) for _ in range(6)]

@@ -104,7 +104,7 @@ class _CallJob(Job):
         return _start(self.future)
 
     def cancel(self, task: Task) -> None:
-        self.future.cancel()
+        _cancel(self.future)
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
         _set(self.future, ok, value)
@@ -122,7 +122,7 @@ class _ChunksJob(Job):
         return _start(self.futures[task.index])
 
     def cancel(self, task: Task) -> None:
-        self.futures[task.index].cancel()
+        _cancel(self.futures[task.index])
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
         if ok and self.progress is not None:
@@ -142,6 +142,14 @@ def _kill(dispatcher: Dispatcher, job_ref: weakref.ref[Job]) -> None:
 
 def _done_within(future: _cf.Future[Any], seconds: float) -> bool:
     return not _cf.wait([future], seconds).not_done
+
+
+def _cancel(future: _cf.Future[Any]) -> None:
+    """Cancel a call that will never be handed out, and tell ``wait()`` and
+    ``as_completed()``, which ``Future.cancel()`` alone does not (after the stdlib's
+    ``shutdown(cancel_futures=True)`` they wait forever for such a future)."""
+    if future.cancel() and future._state == _cf._base.CANCELLED:
+        future.set_running_or_notify_cancel()  # CANCELLED_AND_NOTIFIED: the waiters know
 
 
 def _start(future: _cf.Future[Any]) -> bool:

@@ -49,10 +49,12 @@ _STOP_CHECK = 0.5  # imap: how often a waiting next() looks whether the pool was
 # prefetches only with more than two per worker waiting (see Dispatcher._may_prefetch):
 # at 4, a worker waited for each round trip and imap was 2-3x map's time per task
 _FEED_AHEAD = 8
-# imap over a list, tuple or range: its items exist already, so reading ahead costs no
-# memory: every chunk is handed out at once (the results-waiting bound aside), in one
-# submit, and the feeder is woken again only once a quarter of what it sent is done
+# imap over a list, tuple or range: its items exist already and reading them never
+# waits, so more chunks per worker go ahead, in batches (one submit each), and the feeder
+# is woken again only once a quarter of them is done. (Not all at once: a task per item
+# of a list of a million, in memory, for nothing)
 _SEQUENCES = (list, tuple, range)
+_SEQUENCE_AHEAD = 32
 
 
 class ApplyResult(Generic[_T]):
@@ -937,11 +939,11 @@ class Pool:
         job = _IMapJob(func, it)
         it.job = job
         self._iterators.add(it)
+        sequence = type(iterable) in _SEQUENCES
         ahead = max(2, _FEED_AHEAD * self._processes)
         room = _results_room(chunksize, ahead)
-        sequence = type(iterable) in _SEQUENCES
-        if sequence:
-            ahead = room  # (only the results-waiting bound)
+        if sequence:  # (within the room: a task's arrays hold descriptors while it runs)
+            ahead = min(room, max(ahead, _SEQUENCE_AHEAD * self._processes))
         self._dispatcher.feeding(+1)
         threading.Thread(
             target=_feed,

@@ -175,6 +175,12 @@ def nested_executor_and_spawn(n):
     return mapped, reusable.submit(square, n).result(), procspawn.spawn(add, args=(n,), nprocs=2)
 
 
+def nap_then_wait_for_file(nap, path, seconds):
+    """Sleep ``nap`` seconds, then ``wait_for_file``."""
+    time.sleep(nap)
+    return wait_for_file(path, seconds)
+
+
 def wait_for_file(path, seconds):
     """Run until ``path`` exists (at most ``seconds``); its name."""
     deadline = time.monotonic() + seconds

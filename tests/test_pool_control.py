@@ -20,6 +20,7 @@ from _pool_workers import (
     die_once,
     eat_memory_in_cgroup,
     grow_then_pid,
+    nap_then_wait_for_file,
     pid_of,
     sleep_then_pid,
     slow_square,
@@ -324,6 +325,44 @@ def test_kill_of_a_call_queued_behind_another_fails_it_alone():
         worker = first.result(DEADLINE)  # not killed: it finished on its worker
         assert third.result(DEADLINE) == worker
         assert ex.submit(pid_of).result(DEADLINE) == worker
+
+
+@pytest.mark.parametrize("make", ["executor", "pool"])
+def test_a_call_of_a_deep_backlog_never_waits_behind_a_long_one_of_its_function(make, tmp_path):
+    """A backlog of calls that are not tiny (50 ms), the first of them long: no call is
+    held behind the long one (a worker running a call is handed the next only for a
+    function whose calls were measured short; it held one there, which finished only
+    with the long call while the other worker had run all the rest)."""
+    release, done = str(tmp_path / "release"), str(tmp_path / "done")
+    open(done, "w").close()
+    if make == "executor":
+        ex = mp.ProcessPoolExecutor(2)
+        submit = lambda *args: ex.submit(nap_then_wait_for_file, *args)  # noqa: E731
+        is_done = lambda call: call.done()  # noqa: E731
+    else:
+        ex = mp.Pool(2)
+        submit = lambda *args: ex.apply_async(nap_then_wait_for_file, args)  # noqa: E731
+        is_done = lambda call: call.ready()  # noqa: E731
+        ex.map(square, range(4))  # both workers up
+    try:
+        long = submit(0, release, DEADLINE)
+        others = [submit(0.05, done, DEADLINE) for _ in range(12)]
+        deadline = time.monotonic() + DEADLINE
+        while not all(is_done(call) for call in others) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        finished = sum(is_done(call) for call in others)
+        assert finished == len(others), f"{finished} of {len(others)} calls done"
+        assert not is_done(long)
+        open(release, "w").close()
+        value = long.result(DEADLINE) if make == "executor" else long.get(DEADLINE)
+        assert value == "release"
+    finally:
+        open(release, "w").close()
+        if make == "executor":
+            ex.shutdown()
+        else:
+            ex.close()
+            ex.join()
 
 
 @pytest.mark.parametrize("make", ["executor", "pool"])

@@ -81,6 +81,14 @@ if TYPE_CHECKING:
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
+# A worker running a call is given the next one to hold (prefetch) only for a function
+# whose calls were measured shorter than this, on average: the round trip it saves (tens
+# of microseconds; about a millisecond with a large array to copy) matters for short
+# calls only, and a call held behind a long one waits for it while another worker may be
+# free. A function not measured yet gets none (the first calls of a backlog of long ones
+# would wait behind one another)
+_PREFETCH_BELOW = 0.01
+_RUN_TIMES_KEPT = 64  # functions whose run times the dispatcher keeps, the latest used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _BROKEN_QUIET = 0.005  # seconds without an event before an executor imports _broken
 _BROKEN = "procspawn.pool._broken"
@@ -198,6 +206,7 @@ class _Worker:
         "deadline",
         "verdict",
         "oom_kills",
+        "started_at",
     )
 
     def __init__(
@@ -232,6 +241,7 @@ class _Worker:
         # timeout, kill()); that task fails with the error unless it answered first
         self.verdict: tuple[Task, BaseException] | None = None
         self.oom_kills = oom_count  # the kernel's count as it started (see describe_exit)
+        self.started_at: float | None = None  # when it took tasks[0] off its channel
 
 
 class Dispatcher:
@@ -293,6 +303,8 @@ class Dispatcher:
         self._owner = os.getpid()
         self._lock = threading.Lock()
         self._pending: collections.deque[Task] = collections.deque()
+        # id(fn) -> (a reference to fn, the mean seconds its calls ran): _may_prefetch
+        self._run_times: dict[int, tuple[Callable[[], Any], float]] = {}
         self._workers: dict[int, _Worker] = {}
         self._slots = itertools.count()
         self._startup_failures = 0
@@ -911,17 +923,23 @@ class Dispatcher:
     def _may_prefetch(self, worker: _Worker) -> bool:
         """Whether ``worker``, running a task, may be given the next one to hold behind
         it: it then never waits for the round trip between two tiny tasks. Only the same
-        function (a short call never waits behind an unrelated long one), and only with
-        more than two tasks waiting per worker, the workers still starting counted (a
-        call held behind a long one while another worker is idle waits for nothing, as
-        it would with the stdlib's shared queue; a worker that started first took the
-        next call while the others booted). A pool of one worker has no other worker a
-        call could wait for: there, two waiting are enough."""
+        function (a short call never waits behind an unrelated long one), only one whose
+        calls were measured short (a call held behind a long one of a backlog's end
+        waited for it while the other workers were done), and only with more than two
+        tasks waiting per worker, the workers still starting counted (a call held behind
+        a long one while another worker is idle waits for nothing, as it would with the
+        stdlib's shared queue; a worker that started first took the next call while the
+        others booted). A pool of one worker has no other worker a call could wait for:
+        there, two waiting are enough."""
         live = self._live_count()
+        fn = self._pending[0].job.fn
+        if live <= 1:
+            return worker.ready and len(self._pending) > 1 and worker.tasks[0].job.fn is fn
         return (
             worker.ready
-            and len(self._pending) > (1 if live <= 1 else 2 * live)
-            and worker.tasks[0].job.fn is self._pending[0].job.fn
+            and len(self._pending) > 2 * live
+            and worker.tasks[0].job.fn is fn
+            and self._short_calls(fn)
         )
 
     def _give(self, worker: _Worker) -> None:
@@ -1069,16 +1087,19 @@ class Dispatcher:
         tag = message[0]
         if tag == "s":
             worker.running = True
+            worker.started_at = time.monotonic()
             if self.task_timeout is not None and worker.kill_at is None:  # not being stopped
                 worker.deadline = time.monotonic() + self.task_timeout
         elif tag == "r":
             task = worker.tasks.popleft()
+            self._note_run_time(worker, task)
             self._answered(worker)
             self._output.forward_now(worker.slot)  # what the task printed comes first
             _settle(task, True, message[1])
             self._done_with(worker)
         elif tag == "e":
             task = worker.tasks.popleft()
+            self._note_run_time(worker, task)
             self._answered(worker)
             self._output.forward_now(worker.slot)
             _settle(task, False, remote_error(message[1], message[2], self.break_on_death))
@@ -1102,6 +1123,27 @@ class Dispatcher:
             self._init_failed = error
             worker.stopping = "its initializer raised"
             worker.kill_at = time.monotonic() + self._grace
+
+    def _note_run_time(self, worker: _Worker, task: Task) -> None:
+        """Keep the mean run time of ``task``'s function (see ``_may_prefetch``)."""
+        started, worker.started_at = worker.started_at, None
+        if started is None:
+            return
+        seconds = time.monotonic() - started
+        fn = task.job.fn
+        key = id(fn)
+        times = self._run_times
+        entry = times.pop(key, None)
+        if entry is not None and entry[0]() is fn:
+            seconds = 0.7 * entry[1] + 0.3 * seconds  # (a moving mean: recent calls weigh)
+        elif len(times) >= _RUN_TIMES_KEPT:
+            times.pop(next(iter(times)))
+        times[key] = (_ref_to(fn), seconds)
+
+    def _short_calls(self, fn: Any) -> bool:
+        """Whether ``fn``'s calls were measured short (see ``_PREFETCH_BELOW``)."""
+        entry = self._run_times.get(id(fn))
+        return entry is not None and entry[0]() is fn and entry[1] < _PREFETCH_BELOW
 
     def _answered(self, worker: _Worker) -> None:
         """``worker`` answered its running task: not running, no deadline; too big now
@@ -1317,6 +1359,14 @@ def _broken_errors() -> Any:
         return None
     finally:
         threading._register_atexit = register  # type: ignore[attr-defined]
+
+
+def _ref_to(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``, or a strong one where it takes none (a builtin)."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _no_exit_hook(*args: Any, **kwargs: Any) -> None:

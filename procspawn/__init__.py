@@ -13,9 +13,9 @@ whose function never touches NumPy does not pay for importing it.
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing as _multiprocessing
 
+from ._late import late_import
 from ._version import __version__
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
@@ -147,7 +147,7 @@ def __getattr__(name: str) -> Any:
         module_name, path = _PUBLIC[name]
     except KeyError:
         raise AttributeError(f"module 'procspawn' has no attribute {name!r}") from None
-    value: Any = importlib.import_module(module_name, __name__)
+    value: Any = late_import(module_name, __name__)  # (a fork waits for it: see _late)
     for attr in path.split(".") if path else ():
         value = getattr(value, attr)
     globals()[name] = value

@@ -2,11 +2,13 @@
 
 procspawn imports some modules at their first use rather than as a pool starts (ctypes,
 ``logging``, the errors of a broken pool): ~1.5-7 ms each that a pool which never needs
-them never pays. That first use can come in any thread (a pool's thread, its output
-thread), and a fork made by another thread in the middle of the import handed the child a
-half-imported module, and an import lock held by a thread the child has not: the child
-failed or hung at its own first use. :func:`late_import` holds a lock that every fork
-takes first (``os.register_at_fork``), so a fork waits for the import to finish.
+them never pays; so are the public names of the packages (``procspawn.Pool``). That
+first use can come in any thread (a pool's thread, its output thread, a thread of the
+program that makes a pool while another forks), and a fork made by another thread in
+the middle of the import handed the child a half-imported module, and an import lock held
+by a thread the child has not: the child failed or hung at its own first use.
+:func:`late_import` holds a lock that every fork takes first (``os.register_at_fork``),
+so a fork waits for the import to finish.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worke
 if TYPE_CHECKING:
     from types import ModuleType
 
-_importing = threading.Lock()
+_importing = threading.RLock()  # (an import may import late in turn)
 os.register_at_fork(
     before=_importing.acquire,
     after_in_parent=_importing.release,
@@ -27,7 +29,8 @@ os.register_at_fork(
 )
 
 
-def late_import(name: str) -> ModuleType:
-    """``importlib.import_module(name)``, which no fork of this process interrupts."""
+def late_import(name: str, package: str | None = None) -> ModuleType:
+    """``importlib.import_module(name, package)``, which no fork of this process
+    interrupts."""
     with _importing:
-        return importlib.import_module(name)
+        return importlib.import_module(name, package)

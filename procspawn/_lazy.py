@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
+
+from ._late import late_import
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ def lazy_names(
     def __getattr__(name: str) -> Any:
         if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(names[name], package), name)
+        # (a fork in another thread waits for it: see _late)
+        value = getattr(late_import(names[name], package), name)
         namespace[name] = value
         return value
 

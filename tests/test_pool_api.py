@@ -252,6 +252,42 @@ def test_an_imap_gives_every_result_of_a_long_input_in_order(source, chunksize):
             it.next(timeout=DEADLINE)
 
 
+_FORK_DURING_FIRST_USE = """
+import os, sys, threading
+
+import procspawn
+
+def inc(x):
+    return x + 1
+
+if __name__ == "__main__":
+    threading.Thread(target=lambda: procspawn.Pool(1, context="fork").terminate()).start()
+    while "procspawn.pool._dispatcher" not in sys.modules:  # its import has begun
+        pass
+    pid = os.fork()
+    if pid == 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(20, exit=True)  # a hang: its stack, exit 1
+        with procspawn.Pool(2, context="fork") as pool:
+            print("child", pool.map(inc, range(3)), flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_fork_while_another_thread_first_makes_a_pool_leaves_the_child_working():
+    """One thread makes the program's first pool, which imports procspawn's pool modules,
+    while another forks: the fork waits for the import to finish (the child had them
+    half-imported, their import locks held by a thread it has not, and hung at its first
+    pool)."""
+    result = run_script(_FORK_DURING_FIRST_USE, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "child [1, 2, 3]" in result.stdout, result.stdout + result.stderr
+    assert "child exit 0" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.timeout(60)
 def test_close_lets_the_work_given_finish():
     p = mp.Pool(2, context="fork")
@@ -898,9 +934,7 @@ if __name__ == "__main__":
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
-def test_ctrl_c_while_the_programs_end_waits_for_an_executor_says_so_in_one_line(
-    method, tmp_path
-):
+def test_ctrl_c_while_the_programs_end_waits_for_an_executor_says_so_in_one_line(method, tmp_path):
     """The end of a program waits for its executor's work, as the stdlib's; a Ctrl-C
     there stops the workers, and one line says so (it was a traceback of procspawn's
     exit function; the stdlib's executor hangs there)."""

@@ -10,9 +10,10 @@ never uses NumPy never imports it).
 from __future__ import annotations
 
 import copyreg
-import importlib
 import sys
 from collections.abc import Callable
+
+from .._late import late_import
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
@@ -76,6 +77,6 @@ def load_plugins() -> bool:
     for module, plugin in PLUGINS.items():
         if module not in _loaded and module in sys.modules:
             _loaded.add(module)
-            importlib.import_module(plugin, __package__)
+            late_import(plugin, __package__)  # (from any thread: see _late)
             loaded = True
     return loaded

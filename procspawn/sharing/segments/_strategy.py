@@ -7,7 +7,6 @@ used, so a process that never shares an array pays nothing for them.
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 import resource
 import sys
@@ -15,6 +14,7 @@ import threading
 import warnings
 
 from ... import _log, _settings
+from ..._late import late_import
 from .. import _registry
 from .._errors import FdLimitError, SharedMemoryFullError
 from . import _mapcache, _recycled
@@ -213,7 +213,7 @@ def strategy_named(name: str) -> SharingStrategy | None:
     strategy = _strategies.get(name)
     if strategy is None and name in BUILTIN:
         module_name, class_name = BUILTIN[name]
-        cls = getattr(importlib.import_module(module_name, __package__), class_name)
+        cls = getattr(late_import(module_name, __package__), class_name)  # (see _late)
         with _lock:
             strategy = _strategies.get(name)
             if strategy is None:

@@ -925,9 +925,9 @@ class Dispatcher:
         it: it then never waits for the round trip between two tiny tasks. Only the same
         function (a short call never waits behind an unrelated long one), only one whose
         calls were measured short (a call held behind a long one of a backlog's end
-        waited for it while the other workers were done), and only with more than two
-        tasks waiting per worker, the workers still starting counted (a call held behind
-        a long one while another worker is idle waits for nothing, as it would with the
+        waited for it while the other workers were done), and only with more tasks
+        waiting than workers, the workers still starting counted (a call held behind a
+        long one while another worker is idle waits for nothing, as it would with the
         stdlib's shared queue; a worker that started first took the next call while the
         others booted). A pool of one worker has no other worker a call could wait for:
         there, two waiting are enough."""
@@ -937,7 +937,7 @@ class Dispatcher:
             return worker.ready and len(self._pending) > 1 and worker.tasks[0].job.fn is fn
         return (
             worker.ready
-            and len(self._pending) > 2 * live
+            and len(self._pending) > live
             and worker.tasks[0].job.fn is fn
             and self._short_calls(fn)
         )

@@ -46,8 +46,9 @@ _S = TypeVar("_S")  # an item of a map's input
 _STOP_CHECK = 0.5  # imap: how often a waiting next() looks whether the pool was stopped
 # imap over an iterator: chunks handed to the pool per worker ahead of the results taken.
 # Two per worker are held by the workers (one running, one prefetched); the dispatcher
-# prefetches only with more than two per worker waiting (see Dispatcher._may_prefetch):
-# at 4, a worker waited for each round trip and imap was 2-3x map's time per task
+# prefetches only with more waiting than workers (see Dispatcher._may_prefetch). At 4,
+# when it wanted more than two per worker, a worker waited for each round trip and imap
+# was 2-3x map's time per task
 _FEED_AHEAD = 8
 # imap over a list, tuple or range: its items exist already and reading them never
 # waits, so more chunks per worker go ahead, in batches (one submit each), and the feeder

@@ -202,6 +202,15 @@ _values: dict[str, Any] = {}
 _lock = threading.Lock()
 
 
+def _new_lock_after_fork() -> None:
+    # a fork made while another thread held it hands the child a lock nobody releases
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def get(name: str) -> Any:
     """The value of setting ``name``: read and checked the first time, then kept.
 

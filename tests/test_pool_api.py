@@ -36,6 +36,7 @@ from _pool_workers import (
     sleep_forever,
     slow_square,
     square,
+    wait_for_file,
 )
 
 import procspawn as mp
@@ -228,6 +229,34 @@ def test_an_imap_runs_what_its_input_gave_while_the_next_item_waits(kind):
         p.join()
 
 
+@pytest.mark.timeout(60)
+def test_an_endless_imap_input_is_no_longer_read_once_its_pool_is_terminated():
+    """An imap over an endless input, then terminate(): the feeder stops reading it (it
+    read on forever, each chunk failing at once, and kept every failure)."""
+    read = [0]
+
+    def endless():
+        while True:
+            read[0] += 1
+            yield read[0]
+
+    p = mp.Pool(2, context="fork")
+    try:
+        it = p.imap(square, endless())
+        assert [it.next(timeout=DEADLINE) for _ in range(5)] == [1, 4, 9, 16, 25]
+        p.terminate()
+        deadline = time.monotonic() + DEADLINE
+        while any(t.name == "procspawn-pool-imap-feeder" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, f"the feeder still reads: {read[0]} items"
+            time.sleep(0.01)
+        count = read[0]
+        time.sleep(0.2)
+        assert read[0] == count
+    finally:
+        p.terminate()
+        p.join()
+
+
 def _input_raising_at(n):
     yield from range(n)
     raise KeyError("the input broke")
@@ -363,16 +392,17 @@ def test_executor_map_timeout_and_cancel_futures():
 
 
 @pytest.mark.timeout(60)
-def test_calls_cancelled_by_shutdown_wake_wait_and_as_completed():
+def test_calls_cancelled_by_shutdown_wake_wait_and_as_completed(tmp_path):
     """``shutdown(cancel_futures=True)`` from one thread while another waits in
     ``as_completed()`` on those futures: the waiter gets every one (done or cancelled);
     ``wait()`` afterwards sees them all done (they waited forever, as with the stdlib's
     executor: ``Future.cancel()`` alone does not tell them)."""
     import concurrent.futures as cf
 
+    release = str(tmp_path / "release")
     ex = mp.ProcessPoolExecutor(1, mp_context="fork")
     try:
-        running = ex.submit(time.sleep, 0.3)
+        running = ex.submit(wait_for_file, release, DEADLINE)  # runs until released
         queued = [ex.submit(square, x) for x in range(20)]
         seen: list[object] = []
 
@@ -386,7 +416,8 @@ def test_calls_cancelled_by_shutdown_wake_wait_and_as_completed():
         while not running.running():
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        ex.shutdown(wait=True, cancel_futures=True)
+        threading.Timer(0.3, lambda: open(release, "w").close()).start()
+        ex.shutdown(wait=True, cancel_futures=True)  # cancels before the release
         waiter.join(DEADLINE)
         assert not waiter.is_alive()
         assert len(seen) == 21
@@ -394,6 +425,7 @@ def test_calls_cancelled_by_shutdown_wake_wait_and_as_completed():
         done, not_done = cf.wait(queued, timeout=0)
         assert not not_done
     finally:
+        open(release, "w").close()
         ex.shutdown(wait=False)
 
 

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing import util as _mp_util  # noqa: F401 (see atexit.register below)
@@ -1138,7 +1139,9 @@ class Dispatcher:
             seconds = 0.7 * entry[1] + 0.3 * seconds  # (a moving mean: recent calls weigh)
         elif len(times) >= _RUN_TIMES_KEPT:
             times.pop(next(iter(times)))
-        times[key] = (_ref_to(fn), seconds)
+        ref = _ref_to(fn)
+        if ref is not None:  # (not measured: never prefetched)
+            times[key] = (ref, seconds)
 
     def _short_calls(self, fn: Any) -> bool:
         """Whether ``fn``'s calls were measured short (see ``_PREFETCH_BELOW``)."""
@@ -1217,6 +1220,7 @@ class Dispatcher:
         running = tasks[0] if tasks and worker.running else None
         if running is not None:
             tasks = tasks[1:]
+            self._note_run_time(worker, running)  # (killed late: its calls are not short)
         expected = worker.stopping is not None
         retired = (
             code in (0, None)
@@ -1361,12 +1365,16 @@ def _broken_errors() -> Any:
         threading._register_atexit = register  # type: ignore[attr-defined]
 
 
-def _ref_to(obj: Any) -> Callable[[], Any]:
-    """A weak reference to ``obj``, or a strong one where it takes none (a builtin)."""
+def _ref_to(obj: Any) -> Callable[[], Any] | None:
+    """A weak reference to ``obj``; a strong one to a builtin function, which takes none
+    (it lives as long as its module anyway); None for anything else that takes none (a
+    callable that may hold much, not kept alive for this)."""
     try:
         return weakref.ref(obj)
     except TypeError:
-        return lambda: obj
+        if isinstance(obj, types.BuiltinFunctionType):
+            return lambda: obj
+        return None
 
 
 def _no_exit_hook(*args: Any, **kwargs: Any) -> None:

@@ -425,17 +425,15 @@ class IMapIterator(Generic[_T]):
         descriptors or the pool is being joined (see ``_results_room``)."""
         with self._cond:
             while True:
-                if self.job is None or self.job.abandoned:
+                if not self._feeding():
                     return 0
                 free = ahead - (sent - self._settled)
                 waiting = sent - self._next_chunk
-                bounded = waiting + step > room and self._results_hold_descriptors()
+                bounded = waiting + max(free, step) > room and self._results_hold_descriptors()
                 if bounded:
                     free = min(free, room - waiting)
                 if free >= step:
                     return free
-                if not self._dispatcher.alive():
-                    return 0
                 # woken by _put or next() once that much is there (or by _wake_all)
                 self._feeder_wants = (
                     sent - ahead + step,
@@ -445,6 +443,13 @@ class IMapIterator(Generic[_T]):
                     self._room.wait(0.5)
                 finally:
                     self._feeder_wants = None
+
+    def _feeding(self) -> bool:
+        """Whether the feeder should go on reading the input: the caller has not
+        abandoned the job and the pool takes its tasks (after terminate() or a broken
+        pool every task would fail at once: an endless input was read forever)."""
+        job = self.job
+        return job is not None and not job.abandoned and self._dispatcher.alive()
 
     def _results_hold_descriptors(self) -> bool:
         """Whether the results waiting for the caller may run this process out of
@@ -1052,6 +1057,11 @@ def _feed(
             tasks: list[Task] = []
             try:
                 for _ in range(free):
+                    # an input that may wait: nothing more is read once the caller
+                    # stopped or the pool ended (each item read then would be lost)
+                    if not sequence and not it._feeding():
+                        done = True
+                        break
                     chunk = list(itertools.islice(source, chunksize))
                     if chunk:
                         tasks.append(Task(job, sent + len(tasks), _worker.MAP, chunk))
@@ -1059,10 +1069,15 @@ def _feed(
                         done = True
                         break
                     if not sequence:
-                        sent = _submit(dispatcher, it, tasks, sent)
+                        sent, taken = _submit(dispatcher, it, tasks, sent)
                         tasks = []
+                        if not taken:
+                            done = True
+                            break
             finally:  # what was read goes, even when the iterable raised after it
-                sent = _submit(dispatcher, it, tasks, sent)
+                sent, taken = _submit(dispatcher, it, tasks, sent)
+                if not taken:
+                    done = True
     except BaseException as exc:  # the iterable raised: its results end there
         error = exc
     finally:
@@ -1071,17 +1086,21 @@ def _feed(
         dispatcher.feeding(-1)
 
 
-def _submit(dispatcher: Dispatcher, it: IMapIterator[Any], tasks: list[Task], sent: int) -> int:
-    """Hand imap's chunks to the pool; returns how many were sent in all."""
+def _submit(
+    dispatcher: Dispatcher, it: IMapIterator[Any], tasks: list[Task], sent: int
+) -> tuple[int, bool]:
+    """Hand imap's chunks to the pool: how many were sent in all, and whether the pool
+    took them (when not, each failed with the error that says why)."""
     if not tasks:
-        return sent
+        return sent, True
     try:
         # accepted before any close(): goes on after it, as the stdlib's does
         dispatcher.submit(tasks, accepted=True)
     except BaseException as exc:
         for task in tasks:
             it._put(task.index, False, exc)
-    return sent + len(tasks)
+        return sent + len(tasks), False
+    return sent + len(tasks), True
 
 
 __all__ = [

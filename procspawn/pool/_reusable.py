@@ -21,6 +21,15 @@ if TYPE_CHECKING:
     from typing import Any
 
 _lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    # a fork made while another thread held it hands the child a lock nobody releases
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 _executor: ProcessPoolExecutor | None = None
 _settings: tuple[Any, ...] | None = None
 

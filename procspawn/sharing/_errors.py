@@ -16,6 +16,15 @@ _raised = False
 _lock = threading.Lock()
 
 
+def _new_lock_after_fork() -> None:
+    # a fork made while another thread held it hands the child a lock nobody releases
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 def raise_fd_limit() -> None:
     """Once per process: lift the soft RLIMIT_NOFILE to the hard limit."""
     global _raised

@@ -170,6 +170,15 @@ class SharingStrategy:
 
 _strategies: dict[str, SharingStrategy] = {}
 _lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    # a fork made while another thread held it hands the child a lock nobody releases
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 _current: str | None = None
 _explicit = False  # chosen by the user (set_sharing_strategy or the environment)
 _fell_back = False  # warned once

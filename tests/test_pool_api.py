@@ -230,9 +230,12 @@ def test_an_imap_runs_what_its_input_gave_while_the_next_item_waits(kind):
 
 
 @pytest.mark.timeout(60)
-def test_an_endless_imap_input_is_no_longer_read_once_its_pool_is_terminated():
-    """An imap over an endless input, then terminate(): the feeder stops reading it (it
-    read on forever, each chunk failing at once, and kept every failure)."""
+@pytest.mark.parametrize("how", ["terminate", "break"])
+def test_an_endless_imap_input_is_no_longer_read_once_its_pool_or_caller_stops(how):
+    """An imap over an endless input, then terminate() (it read on, each chunk failing
+    at once, and kept every failure), or the caller leaves its loop and drops the
+    iterator (the feeder held it: the pool computed for ever): the input is read no
+    more."""
     read = [0]
 
     def endless():
@@ -244,7 +247,13 @@ def test_an_endless_imap_input_is_no_longer_read_once_its_pool_is_terminated():
     try:
         it = p.imap(square, endless())
         assert [it.next(timeout=DEADLINE) for _ in range(5)] == [1, 4, 9, 16, 25]
-        p.terminate()
+        if how == "terminate":
+            p.terminate()
+        else:
+            for value in it:
+                if value > 100:
+                    break
+            del it  # no collection needed: nothing else holds it
         deadline = time.monotonic() + DEADLINE
         while any(t.name == "procspawn-pool-imap-feeder" for t in threading.enumerate()):
             assert time.monotonic() < deadline, f"the feeder still reads: {read[0]} items"

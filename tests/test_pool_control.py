@@ -327,26 +327,19 @@ def test_kill_of_a_call_queued_behind_another_fails_it_alone():
         assert ex.submit(pid_of).result(DEADLINE) == worker
 
 
-@pytest.mark.parametrize("make", ["executor", "pool"])
-def test_a_call_of_a_deep_backlog_never_waits_behind_a_long_one_of_its_function(make, tmp_path):
-    """A backlog of calls that are not tiny (50 ms), the first of them long: no call is
-    held behind the long one (a worker running a call is handed the next only for a
-    function whose calls were measured short; it held one there, which finished only
-    with the long call while the other worker had run all the rest)."""
-    release, done = str(tmp_path / "release"), str(tmp_path / "done")
-    open(done, "w").close()
+def _none_waits_behind_the_long_call(make, ex, fn, release, long_args, others_args):
+    """Submit ``fn(*long_args)``, which runs until ``release`` exists, then a call of
+    ``fn`` per item of ``others_args``: every other call finishes while the long one still
+    runs; then release it. Shuts ``ex`` down."""
     if make == "executor":
-        ex = mp.ProcessPoolExecutor(2)
-        submit = lambda *args: ex.submit(nap_then_wait_for_file, *args)  # noqa: E731
+        submit = lambda args: ex.submit(fn, *args)  # noqa: E731
         is_done = lambda call: call.done()  # noqa: E731
     else:
-        ex = mp.Pool(2)
-        submit = lambda *args: ex.apply_async(nap_then_wait_for_file, args)  # noqa: E731
+        submit = lambda args: ex.apply_async(fn, args)  # noqa: E731
         is_done = lambda call: call.ready()  # noqa: E731
-        ex.map(square, range(4))  # both workers up
     try:
-        long = submit(0, release, DEADLINE)
-        others = [submit(0.05, done, DEADLINE) for _ in range(12)]
+        long = submit(long_args)
+        others = [submit(args) for args in others_args]
         deadline = time.monotonic() + DEADLINE
         while not all(is_done(call) for call in others) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -366,6 +359,29 @@ def test_a_call_of_a_deep_backlog_never_waits_behind_a_long_one_of_its_function(
 
 
 @pytest.mark.parametrize("make", ["executor", "pool"])
+def test_a_call_of_a_deep_backlog_never_waits_behind_a_long_one_of_its_function(make, tmp_path):
+    """A backlog of calls that are not tiny (50 ms), the first of them long: no call is
+    held behind the long one (a worker running a call is handed the next only for a
+    function whose calls were measured short; it held one there, which finished only
+    with the long call while the other worker had run all the rest)."""
+    release, done = str(tmp_path / "release"), str(tmp_path / "done")
+    open(done, "w").close()
+    if make == "executor":
+        ex = mp.ProcessPoolExecutor(2)
+    else:
+        ex = mp.Pool(2)
+        ex.map(square, range(4))  # both workers up
+    _none_waits_behind_the_long_call(
+        make,
+        ex,
+        nap_then_wait_for_file,
+        release,
+        (0, release, DEADLINE),
+        [(0.05, done, DEADLINE)] * 12,
+    )
+
+
+@pytest.mark.parametrize("make", ["executor", "pool"])
 def test_a_short_call_never_waits_behind_a_long_one_while_a_worker_is_idle(make, tmp_path):
     """A worker running a call may be handed the next call of the same function to hold
     behind it (a stream of tiny calls never waits for a round trip), but not with so few
@@ -377,32 +393,12 @@ def test_a_short_call_never_waits_behind_a_long_one_while_a_worker_is_idle(make,
     open(done, "w").close()
     if make == "executor":
         ex = mp.ProcessPoolExecutor(2)
-        submit = lambda *args: ex.submit(wait_for_file, *args)  # noqa: E731
         ex.submit(square, 2).result(DEADLINE)  # one worker up
-        shorts_count = 3
+        count = 3
     else:
         ex = mp.Pool(2)
-        submit = lambda *args: ex.apply_async(wait_for_file, args)  # noqa: E731
         ex.map(square, range(4))  # both workers up
-        shorts_count = 4
-    try:
-        long = submit(release, DEADLINE)
-        shorts = [submit(done, DEADLINE) for _ in range(shorts_count)]
-        deadline = time.monotonic() + DEADLINE
-        while not all(s.done() if make == "executor" else s.ready() for s in shorts):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        finished = sum(s.done() if make == "executor" else s.ready() for s in shorts)
-        assert finished == shorts_count, f"{finished} of {shorts_count} short calls done"
-        assert not (long.done() if make == "executor" else long.ready())
-        open(release, "w").close()
-        value = long.result(DEADLINE) if make == "executor" else long.get(DEADLINE)
-        assert value == "release"
-    finally:
-        open(release, "w").close()
-        if make == "executor":
-            ex.shutdown()
-        else:
-            ex.close()
-            ex.join()
+        count = 4
+    _none_waits_behind_the_long_call(
+        make, ex, wait_for_file, release, (release, DEADLINE), [(done, DEADLINE)] * count
+    )

@@ -417,32 +417,33 @@ class IMapIterator(Generic[_T]):
             self._input_error = error
             self._cond.notify_all()
 
-    def _wait_room(self, sent: int, ahead: int, room: int, step: int) -> int:
-        """The feeder: how many chunks it may send now (0: none, ever: the job was
-        abandoned, the caller stopped or the pool ended). It waits until at least
-        ``step`` may go: fewer than ``ahead`` chunks are being worked on and fewer than
-        ``room`` wait for the caller (done or not), unless the results waiting hold no
-        descriptors or the pool is being joined (see ``_results_room``)."""
+    def _wait_room(self, sent: int, ahead: int, room: int, step: int) -> int | None:
+        """The feeder: how many chunks it may send now, once at least ``step`` may go:
+        fewer than ``ahead`` chunks are being worked on and fewer than ``room`` wait for
+        the caller (done or not), unless the results waiting hold no descriptors or the
+        pool is being joined (see ``_results_room``). 0: not yet, after a wait of at most
+        half a second (the feeder lets go of this iterator in between, so a caller that
+        drops it ends the call); None: never (the caller stopped, or the pool ended)."""
         with self._cond:
-            while True:
-                if not self._feeding():
-                    return 0
-                free = ahead - (sent - self._settled)
-                waiting = sent - self._next_chunk
-                bounded = waiting + max(free, step) > room and self._results_hold_descriptors()
-                if bounded:
-                    free = min(free, room - waiting)
-                if free >= step:
-                    return free
-                # woken by _put or next() once that much is there (or by _wake_all)
-                self._feeder_wants = (
-                    sent - ahead + step,
-                    sent - room + step if bounded else sys.maxsize,
-                )
-                try:
-                    self._room.wait(0.5)
-                finally:
-                    self._feeder_wants = None
+            if not self._feeding():
+                return None
+            free = ahead - (sent - self._settled)
+            waiting = sent - self._next_chunk
+            bounded = waiting + max(free, step) > room and self._results_hold_descriptors()
+            if bounded:
+                free = min(free, room - waiting)
+            if free >= step:
+                return free
+            # woken by _put or next() once that much is there (or by _wake_all)
+            self._feeder_wants = (
+                sent - ahead + step,
+                sent - room + step if bounded else sys.maxsize,
+            )
+            try:
+                self._room.wait(0.5)
+            finally:
+                self._feeder_wants = None
+            return 0
 
     def _feeding(self) -> bool:
         """Whether the feeder should go on reading the input: the caller has not
@@ -500,15 +501,22 @@ if TYPE_CHECKING:
 
 
 class _IMapJob(Job):
+    """imap's tasks. The iterator is held weakly, here and by the feeder: the caller
+    that drops it (a loop left with ``break``) ends the call, which goes on no longer
+    for an endless input."""
+
     def __init__(self, fn: Any, iterator: IMapIterator[Any]) -> None:
         super().__init__(fn)
-        self.iterator = iterator
+        self.iterator = weakref.ref(iterator)
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
-        progress = self.iterator._progress
+        iterator = self.iterator()
+        if iterator is None:  # dropped: nobody takes the result
+            return
+        progress = iterator._progress
         if ok and progress is not None:
             progress._add(len(value))
-        self.iterator._put(task.index, ok, value)
+        iterator._put(task.index, ok, value)
 
 
 class Pool:
@@ -953,7 +961,16 @@ class Pool:
         self._dispatcher.feeding(+1)
         threading.Thread(
             target=_feed,
-            args=(self._dispatcher, job, it, iter(iterable), chunksize, ahead, room, sequence),
+            args=(
+                self._dispatcher,
+                job,
+                job.iterator,
+                iter(iterable),
+                chunksize,
+                ahead,
+                room,
+                sequence,
+            ),
             name="procspawn-pool-imap-feeder",
             daemon=True,
         ).start()
@@ -1032,7 +1049,7 @@ def _results_room(chunksize: int, ahead: int) -> int:
 def _feed(
     dispatcher: Dispatcher,
     job: _IMapJob,
-    it: IMapIterator[Any],
+    iterator: weakref.ref[IMapIterator[Any]],
     source: Iterator[Any],
     chunksize: int,
     ahead: int,
@@ -1044,22 +1061,25 @@ def _feed(
     for the caller (see ``_results_room``). Each chunk of an iterator goes as soon as it
     was read (the next item may be long to come); a list, tuple or range is read without
     waiting, so what may go goes in one submit, and the feeder waits for room again only
-    once a quarter of it is free."""
+    once a quarter of it is free. It holds the iterator only for a moment at a time (see
+    ``_IMapJob``)."""
     step = max(1, min(ahead, room) // 4)
     sent = 0
     error: BaseException | None = None
     try:
         done = False
         while not done:
-            free = it._wait_room(sent, ahead, room, step)
-            if not free:
+            it = iterator()
+            free = None if it is None else it._wait_room(sent, ahead, room, step)
+            del it
+            if free is None:
                 break
             tasks: list[Task] = []
             try:
                 for _ in range(free):
                     # an input that may wait: nothing more is read once the caller
                     # stopped or the pool ended (each item read then would be lost)
-                    if not sequence and not it._feeding():
+                    if not sequence and not _feeding(iterator):
                         done = True
                         break
                     chunk = list(itertools.islice(source, chunksize))
@@ -1069,25 +1089,36 @@ def _feed(
                         done = True
                         break
                     if not sequence:
-                        sent, taken = _submit(dispatcher, it, tasks, sent)
+                        sent, taken = _submit(dispatcher, iterator, tasks, sent)
                         tasks = []
                         if not taken:
                             done = True
                             break
             finally:  # what was read goes, even when the iterable raised after it
-                sent, taken = _submit(dispatcher, it, tasks, sent)
+                sent, taken = _submit(dispatcher, iterator, tasks, sent)
                 if not taken:
                     done = True
     except BaseException as exc:  # the iterable raised: its results end there
         error = exc
     finally:
         del source
-        it._input_done(sent, error)
+        it = iterator()
+        if it is not None:
+            it._input_done(sent, error)
+        del it
         dispatcher.feeding(-1)
 
 
+def _feeding(iterator: weakref.ref[IMapIterator[Any]]) -> bool:
+    it = iterator()
+    return it is not None and it._feeding()
+
+
 def _submit(
-    dispatcher: Dispatcher, it: IMapIterator[Any], tasks: list[Task], sent: int
+    dispatcher: Dispatcher,
+    iterator: weakref.ref[IMapIterator[Any]],
+    tasks: list[Task],
+    sent: int,
 ) -> tuple[int, bool]:
     """Hand imap's chunks to the pool: how many were sent in all, and whether the pool
     took them (when not, each failed with the error that says why)."""
@@ -1097,8 +1128,10 @@ def _submit(
         # accepted before any close(): goes on after it, as the stdlib's does
         dispatcher.submit(tasks, accepted=True)
     except BaseException as exc:
-        for task in tasks:
-            it._put(task.index, False, exc)
+        it = iterator()
+        if it is not None:
+            for task in tasks:
+                it._put(task.index, False, exc)
         return sent + len(tasks), False
     return sent + len(tasks), True
 

@@ -43,14 +43,19 @@ def raise_fd_limit() -> None:
 
 
 def descriptors_used_past(fraction: float) -> bool:
-    """Whether this process uses more than ``fraction`` of its soft RLIMIT_NOFILE: a new
-    descriptor takes the lowest number free, so every one below it is in use."""
+    """Whether this process uses more than ``fraction`` of its soft RLIMIT_NOFILE,
+    counted in ``/proc/self/fd``. (Not the lowest free number: descriptors closed below
+    the ones in use leave holes, and a process with most of its limit in use looked
+    nearly empty.)"""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return False
-    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-    os.close(fd)
-    return fd >= soft * fraction
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1  # (the listing's own descriptor)
+    except OSError:  # no /proc: every one below the lowest free number is in use
+        used = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        os.close(used)
+    return used >= soft * fraction
 
 
 class FdLimitError(OSError):

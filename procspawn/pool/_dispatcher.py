@@ -934,13 +934,11 @@ class Dispatcher:
         there, two waiting are enough."""
         live = self._live_count()
         fn = self._pending[0].job.fn
-        if live <= 1:
-            return worker.ready and len(self._pending) > 1 and worker.tasks[0].job.fn is fn
         return (
             worker.ready
             and len(self._pending) > live
             and worker.tasks[0].job.fn is fn
-            and self._short_calls(fn)
+            and (live <= 1 or self._short_calls(fn))
         )
 
     def _give(self, worker: _Worker) -> None:

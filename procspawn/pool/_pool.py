@@ -961,16 +961,7 @@ class Pool:
         self._dispatcher.feeding(+1)
         threading.Thread(
             target=_feed,
-            args=(
-                self._dispatcher,
-                job,
-                job.iterator,
-                iter(iterable),
-                chunksize,
-                ahead,
-                room,
-                sequence,
-            ),
+            args=(self._dispatcher, job, iter(iterable), chunksize, ahead, room, sequence),
             name="procspawn-pool-imap-feeder",
             daemon=True,
         ).start()
@@ -1049,7 +1040,6 @@ def _results_room(chunksize: int, ahead: int) -> int:
 def _feed(
     dispatcher: Dispatcher,
     job: _IMapJob,
-    iterator: weakref.ref[IMapIterator[Any]],
     source: Iterator[Any],
     chunksize: int,
     ahead: int,
@@ -1063,6 +1053,7 @@ def _feed(
     waiting, so what may go goes in one submit, and the feeder waits for room again only
     once a quarter of it is free. It holds the iterator only for a moment at a time (see
     ``_IMapJob``)."""
+    iterator = job.iterator
     step = max(1, min(ahead, room) // 4)
     sent = 0
     error: BaseException | None = None

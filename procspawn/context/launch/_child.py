@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
+from ..._late import late_import
 from ..._output import OutputForwarder
 from . import _posix
 from ._redirect import EarlyRedirect, RedirectFds
@@ -53,18 +54,20 @@ def start_child(
         # BaseProcess does not declare; get_context(a str) is a BaseContext to typeshed,
         # which declares no Process
         proc: BaseProcess
+        # The modules a start needs are imported at its first use (the spawn machinery,
+        # procspawn's fork server, multiprocessing's Popen of the method), in whatever
+        # thread starts it: under the lock that every fork takes first (see _late), or a
+        # fork by another thread meanwhile hands its child their import locks, held.
         if start_method == "spawn":
-            from ._popen import RankSpawnProcess  # (the spawn machinery, only when used)
-
-            proc = RankSpawnProcess(target=target, args=args, name=name)
+            proc = late_import("._popen", __package__).RankSpawnProcess(
+                target=target, args=args, name=name
+            )
             proc._procspawn_redirect = redirect  # type: ignore[attr-defined]
             proc._procspawn_env = spawn_env or {}  # type: ignore[attr-defined]
         elif start_method == "forkserver":
-            from ._forkserver import RankForkServerProcess  # (only when used)
-
             # procspawn's server (NumPy & co. imported once); it forked with the environment
             # of its own start, so the child takes this process' environment of now
-            proc = RankForkServerProcess(
+            proc = late_import("._forkserver", __package__).RankForkServerProcess(
                 target=target, args=(*args, RedirectFds(redirect), dict(os.environ)), name=name
             )
             # applied before the child imports the main module again (see _popen)
@@ -72,17 +75,16 @@ def start_child(
             proc._procspawn_pool_worker = pool_worker  # type: ignore[attr-defined]
         else:
             _posix.load_prctl()  # inherited by the child (see parent_death_signal_is_safe)
+            late_import(f"multiprocessing.popen_{start_method}")  # (what start() imports)
             mp_context = multiprocessing.get_context(start_method)
             proc = mp_context.Process(  # type: ignore[attr-defined]
                 target=target, args=(*args, RedirectFds(redirect)), name=name
             )
         proc.daemon = daemon
         if start_method != "fork":
-            from multiprocessing import resource_tracker
-
             # started now if need be, before SIGINT is blocked here: its own start
             # unblocks SIGINT in this thread when it is done
-            resource_tracker.ensure_running()
+            late_import("multiprocessing.resource_tracker").ensure_running()
         with _posix.sigint_blocked():  # the child unblocks it once it has its handler
             proc.start()
     finally:

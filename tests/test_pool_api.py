@@ -4,6 +4,7 @@ threads at once. Every wait has a deadline."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing
 import os
@@ -13,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from multiprocessing.pool import MaybeEncodingError, RemoteTraceback
 
 import numpy as np
@@ -25,6 +26,8 @@ from _pool_workers import (
     bad_initializer,
     exit_initializer,
     get_state,
+    interrupt_on,
+    interrupt_or_touch,
     make_array,
     nested_executor_and_spawn,
     nested_pool_map,
@@ -81,6 +84,46 @@ def test_a_task_error_is_the_tasks_own_with_the_remote_traceback():
         errors = []
         p.apply_async(raise_value_error, (1,), error_callback=errors.append).wait(DEADLINE)
         assert isinstance(errors[0], ValueError)
+
+
+@pytest.mark.timeout(60)
+def test_a_tasks_own_keyboard_interrupt_is_a_task_error_not_the_callers_ctrl_c(tmp_path):
+    """A task that raises KeyboardInterrupt: its caller gets it with the worker's traceback
+    as its cause, as any task error (not stripped, nor handled, as a Ctrl-C of its own)."""
+    with mp.Pool(1, context="fork") as p:
+        pid = p.apply(pid_of)
+        bad = functools.partial(interrupt_on, bad=3)
+        for call in (lambda: p.apply(bad, (3,)), lambda: p.map(bad, [3])):
+            with pytest.raises(KeyboardInterrupt, match="the task's own, at 3") as info:
+                call()
+            assert isinstance(info.value.__cause__, RemoteTraceback)
+            assert "raise KeyboardInterrupt" in info.value.__cause__.tb
+        it = p.imap(bad, range(6))
+        seen = []
+        for _ in range(6):
+            try:
+                seen.append(it.next(DEADLINE))
+            except KeyboardInterrupt as exc:
+                seen.append(str(exc))
+        assert seen == [0, 1, 2, "the task's own, at 3", 4, 5]  # the imap went on
+        assert p.apply(pid_of) == pid  # no worker was stopped
+    touched = tmp_path / "touched"
+    with pytest.raises(KeyboardInterrupt):
+        with mp.ProcessPoolExecutor(2, mp_context="fork") as ex:
+            f = ex.submit(interrupt_on, 3, 3)
+            stored = f.exception(DEADLINE)
+            with pytest.raises(KeyboardInterrupt) as info:
+                f.result()
+            assert info.value is stored and isinstance(stored.__cause__, _RemoteTraceback)
+            assert isinstance(f.exception().__cause__, _RemoteTraceback)  # kept in the future
+            with pytest.raises(KeyboardInterrupt, match="at 0"):
+                list(ex.map(interrupt_or_touch, [0, 1], [str(touched)] * 2, chunksize=1))
+            later = ex.submit(slow_square, 5, 0.3)
+            ex.submit(interrupt_on, 3, 3).result(DEADLINE)
+    # leaving `with` on a task's KeyboardInterrupt waited for the calls still running, as
+    # on any error: the rest of the map, and the call submitted last
+    assert touched.exists()
+    assert later.result(0) == 25
 
 
 @pytest.mark.timeout(60)

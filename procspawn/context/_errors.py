@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import pickle
 import signal
+import sys
 from collections.abc import Callable
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
@@ -123,16 +124,41 @@ class RayResourcesError(RuntimeError):
     """
 
 
+# The classes a pool gives a task's exception as its cause, the worker's traceback (the
+# standard library's own: multiprocessing.pool's for a Pool, concurrent.futures' for an
+# executor), by module and name: a module not imported has made none
+_REMOTE_TRACEBACKS = (
+    ("multiprocessing.pool", "RemoteTraceback"),
+    ("concurrent.futures.process", "_RemoteTraceback"),
+)
+
+
+def ctrl_c(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a Ctrl-C of this process: a KeyboardInterrupt that is not a
+    task's own exception handed to its caller (whose cause is the worker's traceback)."""
+    if not isinstance(exc, KeyboardInterrupt):
+        return False
+    cause = exc.__cause__
+    for module, name in _REMOTE_TRACEBACKS:
+        remote = getattr(sys.modules.get(module), name, None)
+        if remote is not None and isinstance(cause, remote):
+            return False
+    return True
+
+
 def ctrl_c_in_caller(call: _F) -> _F:
     """For a public call that waits: a Ctrl-C while it waits (its processes already
     stopped by the code that caught it) ends in a traceback of the caller's frames and
-    this one line, not procspawn's waiting loops."""
+    this one line, not procspawn's waiting loops. A task's own KeyboardInterrupt, handed
+    to its caller, goes on as it is, its traceback and cause kept."""
 
     @functools.wraps(call)
     def waiting(*args: Any, **kwargs: Any) -> Any:
         try:
             return call(*args, **kwargs)
         except KeyboardInterrupt as interrupt:
+            if not ctrl_c(interrupt):
+                raise  # a task's, as any other exception of a task
             raise interrupt.with_traceback(None) from None  # Ctrl-C while procspawn waited
 
     # functools.wraps types the wrapper as its own _Wrapped, not as call's type, which it has

@@ -42,7 +42,7 @@ from multiprocessing.process import BaseProcess
 from .. import _log
 from .._late import late_import
 from .._output import OutputForwarder
-from ..context._errors import ProcessExitedException
+from ..context._errors import ProcessExitedException, ctrl_c
 from ..context._watch import (
     UNKNOWN_EXIT_CODE,
     Watcher,
@@ -516,7 +516,7 @@ class Dispatcher:
             with sigint_held(hurry):
                 self.join()
             handling = sys.exc_info()[1]
-            if interrupted and ctrl_c_raises and not isinstance(handling, KeyboardInterrupt):
+            if interrupted and ctrl_c_raises and not ctrl_c(handling):
                 raise KeyboardInterrupt
 
     def _hurry(self) -> None:
@@ -1465,7 +1465,7 @@ def _at_exit() -> None:
     for (as the stdlib's), unless the program ends on Ctrl-C; a Pool's is not. A Ctrl-C
     during that wait stops the workers: one line says so, not a traceback of this
     function (the stdlib's executor hangs there)."""
-    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    interrupted = ctrl_c(getattr(sys, "last_value", None))
     dispatchers = [d for d in list(_live) if d._owner == os.getpid()]
     try:
         for dispatcher in dispatchers:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.context import BaseContext
 from types import TracebackType
 
-from ..context._errors import ctrl_c_in_caller
+from ..context._errors import ctrl_c, ctrl_c_in_caller
 from ..context._progress import Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
 from . import _worker
@@ -407,7 +407,7 @@ class ProcessPoolExecutor(_cf.Executor):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if isinstance(exc, KeyboardInterrupt):
+        if ctrl_c(exc):
             # Ctrl-C in the block: the calls are not waited for; their workers stop
             with self._shutdown_lock:
                 self._shutdown = True
@@ -446,10 +446,10 @@ def _results(
             values.reverse()
             while values:
                 yield values.pop()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         # nobody else holds these futures: the chunks running are stopped (their workers
         # replaced) as a Pool's map stops its own, instead of running on for nothing
-        if stop is not None and any(not future.done() for future in futures):
+        if stop is not None and ctrl_c(interrupt) and any(not f.done() for f in futures):
             stop()
         raise
     finally:

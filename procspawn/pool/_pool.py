@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from multiprocessing import TimeoutError as _MpTimeoutError
 from multiprocessing.context import BaseContext
 
-from ..context._errors import ctrl_c_in_caller
+from ..context._errors import ctrl_c, ctrl_c_in_caller
 from ..context._progress import TICK, Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
 from ..sharing._errors import descriptors_used_past, raise_fd_limit
@@ -363,8 +363,8 @@ class IMapIterator(Generic[_T]):
                     else:
                         progress.render()
                         self._cond.wait(TICK if remaining is None else min(TICK, remaining))
-            except KeyboardInterrupt:
-                if self.job is not None:
+            except KeyboardInterrupt as interrupt:
+                if self.job is not None and ctrl_c(interrupt):  # (not a task's own)
                     self._dispatcher.abandon(self.job)
                 if progress is not None:
                     progress.close()

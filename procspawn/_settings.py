@@ -164,7 +164,9 @@ SETTINGS: dict[str, Setting] = {
             "PROCSPAWN_SLAB_BYTES",
             "bytes",
             4194304,
-            "the size of a slab (at least four times the threshold)",
+            "the largest size of a slab (at least four times the threshold): a process's "
+            "first slab fits its first small array, each that fills makes the next twice "
+            "as large",
         ),
         Setting(
             "PROCSPAWN_SLAB_LINGER",

@@ -4,6 +4,7 @@ their last array, and cheap in descriptors and mappings when very many are alive
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -88,8 +89,8 @@ def _wait_for_maps(count: int, seconds: float) -> bool:
 def test_slab_goes_when_its_last_array_goes():
     gc.collect()
     before = _memfd_maps()
-    arrays = [sharing.zeros(100) for _ in range(10)]
-    assert _memfd_maps() == before + 1  # ten arrays, one slab
+    arrays = [sharing.zeros(8) for _ in range(10)]
+    assert _memfd_maps() == before + 1  # ten arrays, one slab (even a first one, of a page)
     keep = arrays[7][2:5]  # a view keeps the slab, like any array over it
     del arrays
     time.sleep(LINGER + 0.5)  # the allocator lets go of it a second after the last carve
@@ -136,7 +137,7 @@ def _carve_send_drop(q, n):
     q.join_thread()
 
 
-def test_a_producer_that_drops_each_array_fills_one_slab(monkeypatch):
+def test_a_producer_that_drops_each_array_fills_its_slabs(monkeypatch):
     # the default linger: the full queue pauses the producer longer than the suite's
     monkeypatch.setenv("PROCSPAWN_SLAB_LINGER", "1")
     q = mp.get_context("spawn").Queue(maxsize=64)
@@ -145,8 +146,41 @@ def test_a_producer_that_drops_each_array_fills_one_slab(monkeypatch):
     held = [q.get(timeout=30) for _ in range(3000)]
     p.join(30)
     assert [int(a[0]) for a in held] == list(range(3000))
-    assert len({segment_of(a)[0].key for a in held}) == 1  # 3000 x 256 B: one 4 MiB slab
+    slabs = {segment_of(a)[0].key: segment_of(a)[0].size for a in held}
+    # 3000 x 256 B, made by a new process: its first slab a page, each next one twice the
+    # last, filled before it (4 KiB holds 16 arrays, ..., 512 KiB the last 968), not one
+    # per array
+    assert sorted(slabs.values()) == [mmap.PAGESIZE << k for k in range(8)]
     del held
+
+
+def _dev_shm_bytes_of_others() -> int:
+    """What the procspawn names other processes made take in /dev/shm (blocks, as df
+    counts them)."""
+    total = 0
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("procspawn_") and not name.startswith(f"procspawn_{os.getpid()}_"):
+            try:
+                total += os.stat(os.path.join("/dev/shm", name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+@pytest.mark.timeout(120)
+def test_small_results_of_one_task_workers_take_their_size_not_a_slab_each(strategy):
+    # each worker sends one small array and exits: its slab holds that array alone
+    block = np.arange(9_000, dtype=np.float64)  # 72 KB: under the slab threshold
+    with mp.Pool(2, maxtasksperchild=1) as pool:
+        results = pool.map(np.negative, [block] * 60, chunksize=1)
+        assert all(np.array_equal(r, -block) for r in results)
+        page_rounded = -(-block.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        sizes = {segment_of(r)[0].key: segment_of(r)[0].size for r in results}
+        assert len(sizes) == 60 and set(sizes.values()) == {page_rounded}  # not 4 MiB each
+        if strategy == "file_system":  # from outside, where a segment's size is reserved
+            # (each with a page for its holder table): 4.6 MB, not 60 x 4 MiB
+            assert _dev_shm_bytes_of_others() <= 60 * (page_rounded + mmap.PAGESIZE)
+        del results
 
 
 def _new_small_array_segment(rank: int) -> object:

@@ -3,10 +3,18 @@
 A segment costs a descriptor (file_descriptor) and a mapping in every process that maps
 it, so a consumer holding 100,000 small shared arrays would need 100,000 of each. Arrays
 under ``PROCSPAWN_SLAB_THRESHOLD`` bytes (default 262144; 0 turns slabs off) are instead
-carved, 64-byte aligned, out of a slab: a segment of ``PROCSPAWN_SLAB_BYTES`` (default
-4 MiB, at least four times the threshold) made by the current built-in strategy. A
-receiver maps each slab once, like any segment, so 100,000 live 256-byte arrays cost a
+carved, 64-byte aligned, out of a slab: a segment made by the current built-in strategy.
+A receiver maps each slab once, like any segment, so 100,000 live 256-byte arrays cost a
 few slabs: a few descriptors and mappings.
+
+A process's first slab is just large enough for its first small array (whole pages), and
+each slab that fills makes the next twice as large, up to ``PROCSPAWN_SLAB_BYTES``
+(default 4 MiB, at least four times the threshold); a slab let go before it filled is
+followed by one of the same size. So a process that sends one small array and ends (a
+pool worker with ``maxtasksperchild=1``, a short-lived rank) leaves its receiver a
+segment the size of that array, not 4 MiB (``file_system`` reserves a segment's whole
+size in /dev/shm), and a producer of many small arrays reaches the full size after a
+dozen slabs.
 
 Space in a slab is handed out once, front to back, and never reused: every array starts
 on zeroed memory, and no two arrays overlap. A slab is an ordinary segment under the
@@ -25,6 +33,7 @@ would hand out the same bytes twice).
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -52,6 +61,7 @@ def _linger() -> float:
 
 # strategy name -> (the slab being filled, held weakly; the next free offset in it)
 _filling: dict[str, tuple[weakref.ref[Segment], int]] = {}
+_size: dict[str, int] = {}  # strategy name -> the size of this process's next slab
 _lock = threading.Lock()
 _held: dict[
     str, Segment
@@ -75,7 +85,7 @@ def carve(nbytes: int) -> Block | None:
         if entry is not None:
             slab, free = entry[0](), entry[1]
         if slab is None or free + nbytes > slab.size:
-            slab, free = _strategy.allocate(_slab_bytes()), 0
+            slab, free = _strategy.allocate(_next_size(name, slab, nbytes)), 0
         _filling[name] = (weakref.ref(slab), -(-(free + nbytes) // _ALIGN) * _ALIGN)
         _held[name] = slab
         _last_carve = time.monotonic()
@@ -84,6 +94,18 @@ def carve(nbytes: int) -> Block | None:
             _keeper.daemon = True
             _keeper.start()
         return Block(slab, free, nbytes)
+
+
+def _next_size(name: str, full: Segment | None, nbytes: int) -> int:
+    """The size of the next slab for ``nbytes``: twice the last one's when it is ``full``
+    (up to PROCSPAWN_SLAB_BYTES), the same when it was let go; at least ``nbytes``, in
+    whole pages. Called under the lock."""
+    size = _size.get(name, 0)
+    if full is not None:
+        size = min(2 * full.size, _slab_bytes())
+    size = max(size, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    _size[name] = size
+    return size
 
 
 def _let_go_when_idle() -> None:
@@ -113,6 +135,7 @@ def _reset_after_fork() -> None:
     global _lock, _keeper
     _filling.clear()
     _held.clear()
+    _size.clear()  # a new process starts small again
     _lock = threading.Lock()
     _keeper = None
 

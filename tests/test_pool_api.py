@@ -563,6 +563,60 @@ def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, st
     assert result.stdout.strip() == "ok"
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("make", ["pool", "executor"])
+def test_a_pool_made_with_too_few_descriptors_left_says_so_and_the_fork_server_lives(make):
+    """A pool made while the process is (nearly) out of descriptors, for every count from
+    none to enough left: it works, or the caller gets an FdLimitError (what ran out, what
+    to do), never a bare EMFILE from deep inside; the fork server is not killed by a
+    request cut short (it printed a traceback and died), and a pool made afterwards works."""
+    code = textwrap.dedent(
+        """
+        import os, resource, sys
+        import procspawn
+        from procspawn.context.launch import _forkserver
+
+        def run(make):
+            if make == "pool":
+                with procspawn.Pool(1, context="forkserver") as p:
+                    return p.apply(abs, (-1,))
+            with procspawn.ProcessPoolExecutor(1, mp_context="forkserver") as ex:
+                return ex.submit(abs, -1).result(timeout=30)
+
+        if __name__ == "__main__":
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+            assert run(sys.argv[1]) == 1
+            server = _forkserver._server._forkserver_pid
+            outcomes = set()
+            for free in range(26):
+                held = []
+                try:
+                    while True:
+                        held.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    pass
+                for fd in held[:free]:
+                    os.close(fd)
+                try:
+                    outcomes.add("ok" if run(sys.argv[1]) == 1 else "wrong")
+                except procspawn.FdLimitError:
+                    outcomes.add("FdLimitError")
+                finally:
+                    for fd in held[free:]:
+                        os.close(fd)
+            assert outcomes == {"ok", "FdLimitError"}, outcomes
+            assert _forkserver._server._forkserver_pid == server
+            assert run(sys.argv[1]) == 1
+            print("ok")
+        """
+    )
+    result = run_script(code, timeout=80, args=[make])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 _FD_LIMIT_SCRIPT = """
 import os, resource, sys
 import numpy as np

@@ -323,7 +323,10 @@ class Dispatcher:
         # in any thread, inside any of our locked sections) can hand over work
         self._requests: collections.deque[Callable[[], None]] = collections.deque()
         self._output = OutputForwarder()
-        self._watcher = Watcher()
+        try:
+            self._watcher = Watcher()
+        except OSError as exc:
+            raise _out_of_descriptors(exc, f"procspawn.{kind} could not be made") from exc
         deferred: list[Any] = []
         payload = (
             initializer,
@@ -343,21 +346,24 @@ class Dispatcher:
         )
         self._thread: threading.Thread | None = None
         self._grace = default_grace_period()
-        # no output thread until a worker writes something (the watcher sees it on
-        # output.fileno()): workers that print nothing cost none
-        self._output.hold()
         try:
+            # no output thread until a worker writes something (the watcher sees it on
+            # output.fileno()): workers that print nothing cost none
+            self._output.hold()
             # read once for the first workers, which start together
             count = oom_kills()
             index = _main_names.snapshot() if start_method == "fork" else None
             for _ in range(0 if self.lazy else processes):
                 self._start_worker(count, index)
-        except BaseException:
+        except BaseException as exc:
             self._stop_all(0.0)
             for worker in list(self._workers.values()):
                 self._forget_worker(worker)
             self._release()
-            raise
+            error = _out_of_descriptors(exc, f"procspawn.{kind} could not start its workers")
+            if error is exc:
+                raise
+            raise error from exc
         output_fd = self._output.fileno()
         if output_fd >= 0:
             self._watcher.add(output_fd, ("output", None))
@@ -748,12 +754,13 @@ class Dispatcher:
                     return
                 if isinstance(exc, EOFError):  # the fork server closed on us: it is gone
                     exc = OSError(errno.EPIPE, "the fork server exited while starting it")
-                self._break(
-                    OSError(
-                        exc.errno,
-                        f"the pool could not start a worker process: {exc.strerror}",
-                    )
-                )
+                what = "the pool could not start a worker process"
+                error = _out_of_descriptors(exc, what)
+                if error is exc:
+                    error = OSError(exc.errno, f"{what}: {exc.strerror}")
+                else:
+                    error.__cause__ = exc
+                self._break(error)
                 return
 
     def _shrink(self) -> None:
@@ -1442,6 +1449,16 @@ def remote_error(exc: BaseException | None, text: str, executor: bool = False) -
         )
     # typeshed has _RemoteTraceback take a TracebackType; both classes take the text
     exc.__cause__ = RemoteTraceback(text)  # type: ignore[arg-type]
+    return exc
+
+
+def _out_of_descriptors(exc: BaseException, what: str) -> BaseException:
+    """``exc`` as an FdLimitError (which says what holds descriptors and what to do) when it
+    is this process being out of them (EMFILE) as a pool starts workers, else ``exc``."""
+    if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+        if isinstance(exc, FdLimitError):
+            return exc
+        return FdLimitError(f"{what} (a worker's channel and pipes need some)")
     return exc
 
 

@@ -131,8 +131,23 @@ def _connect(fds: list[int], pool_worker: bool) -> tuple[int, int]:
     first if it is not running."""
     _server.set_forkserver_preload(_preload(pool_worker))  # read only at a (re)start
     resource_tracker.ensure_running()  # (re)started first: its start unblocks SIGINT
+    _room_for_a_request()
     with _posix.sigint_blocked():  # a server started now never sees a SIGINT
         return _server.connect_to_new_process(fds)
+
+
+def _room_for_a_request() -> None:
+    """Raise EMFILE here if this process has no descriptors for a request: the stdlib's
+    client makes its two pipes once connected, and its server dies on a request cut
+    short (EOFError, a traceback on stderr), taking the next start's time to restart."""
+    made: list[int] = []
+    try:
+        made.extend(os.pipe())
+        made.extend(os.pipe())
+        made.append(os.dup(made[0]))  # the connection's socket
+    finally:
+        for fd in made:
+            os.close(fd)
 
 
 def ensure_running() -> None:

@@ -326,7 +326,10 @@ class Dispatcher:
         try:
             self._watcher = Watcher()
         except OSError as exc:
-            raise _out_of_descriptors(exc, f"procspawn.{kind} could not be made") from exc
+            error = _out_of_descriptors(exc, f"procspawn.{kind} could not be made")
+            if error is exc:
+                raise
+            raise error from exc
         deferred: list[Any] = []
         payload = (
             initializer,

@@ -368,6 +368,60 @@ def test_share_memory_keeps_subclasses_and_refuses_masked_arrays():
     assert type(masked["x"]) is np.ma.MaskedArray and not sharing.is_shared(masked["x"].data)
 
 
+def _write_subclasses(rank, rec, tagged, plain_rec):
+    rec["a"][0] = 42
+    tagged[0] = 42
+    return (
+        [type(a).__name__ for a in (rec, tagged, plain_rec)],
+        tagged.tag,
+        [sharing.is_shared(a) for a in (rec, tagged)],
+        float(plain_rec["a"][1]),
+    )
+
+
+@pytest.mark.timeout(60)
+def test_shared_arrays_of_subclasses_reach_ranks_and_pool_workers_shared(start_method):
+    """A shared np.recarray or subclass of the user's is the same memory in a
+    rank (writes seen by the parent), of its type, with its attributes; an unshared
+    recarray arrives as a recarray that works (its class by name, not a copy of it)."""
+    rec = sharing.share_memory_(np.zeros(4, dtype=[("a", "f8")]).view(np.recarray))
+    tagged = np.zeros(4).view(Tagged)
+    tagged.tag = "weights"
+    tagged = sharing.share_memory_(tagged)
+    plain_rec = np.ones(4, dtype=[("a", "f8")]).view(np.recarray)
+    args = (rec, tagged, plain_rec)
+    expected = (["recarray", "Tagged", "recarray"], "weights", [True, True], 1.0)
+    [out] = mp.spawn(_write_subclasses, args=args, nprocs=1, start_method=start_method)
+    assert out == expected
+    assert (rec["a"][0], tagged[0]) == (42, 42)  # the rank's writes
+    rec["a"][0] = tagged[0] = 0
+    with mp.Pool(1, context=start_method) as pool:
+        assert pool.apply(_write_subclasses, (0, *args)) == expected
+    assert (rec["a"][0], tagged[0]) == (42, 42)
+
+
+def _object_items(rank, labels):
+    return labels.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_arrays_of_python_objects_are_refused_by_sharing_and_travel_by_value():
+    for make in (sharing.zeros, sharing.empty):
+        for dtype in (object, [("x", "f8"), ("label", "O")]):
+            with pytest.raises(TypeError, match="holds references to Python objects"):
+                make(3, dtype=dtype)
+    labels = np.array(["cat", None, 3] * 10_000, dtype=object)  # 240 KB of pointers
+    holder = {"labels": labels, "w": np.zeros(3)}
+    with pytest.raises(TypeError, match=r"dict\['labels'\].*Python objects"):
+        sharing.share_memory_(holder)
+    assert holder["labels"] is labels and not sharing.is_shared(holder["w"])  # unchanged
+    with pytest.raises(TypeError, match="Python objects"):
+        sharing.share_memory_(labels)
+    # sent as it is: a copy, by value (a rank reading this process's pointers would crash)
+    [items] = mp.spawn(_object_items, args=(labels,), nprocs=1)
+    assert items == labels.tolist()
+
+
 @pytest.mark.timeout(60)
 def test_share_memory_searches_slots_and_deep_structures():
     holder = {"s": Slotted()}

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     _T = TypeVar("_T")
 
 reducers: dict[type, Callable[[Any], Any]] = {}
+# base class -> the reducer of instances of its subclasses, which the dispatch table (by
+# exact type) never sees; it returns NotImplemented for those pickled the usual way.
+# Asked by the cloudpickle pickler (the C pickler hands such objects over to it)
+subclass_reducers: dict[type, Callable[[Any], Any]] = {}
 version = 0  # bumped on every change: a pickler reads its dispatch table when it is made
 
 # third-party module -> the procspawn module registering its reducers

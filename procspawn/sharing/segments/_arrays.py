@@ -35,7 +35,7 @@ def empty(
 
     Raises:
         ValueError: a negative dimension.
-        TypeError: ``shape`` or ``dtype`` is not one.
+        TypeError: ``shape`` or ``dtype`` is not one, or ``dtype`` holds Python objects.
         SharedMemoryFullError: under the ``file_system`` strategy, not enough shared
             memory (raised now, never a bus error later).
         FdLimitError: under a ``file_descriptor`` strategy chosen by the user, this
@@ -49,6 +49,7 @@ def empty(
         buffer = sharing.empty((2, 3), dtype="float32")
         assert buffer.shape == (2, 3) and sharing.is_shared(buffer)
     """
+    _check_dtype(dtype, "sharing.empty cannot make this array")
     return empty_like_in_segment(shape, dtype)
 
 
@@ -71,7 +72,7 @@ def zeros(
 
     Raises:
         ValueError: a negative dimension.
-        TypeError: ``shape`` or ``dtype`` is not one.
+        TypeError: ``shape`` or ``dtype`` is not one, or ``dtype`` holds Python objects.
         SharedMemoryFullError: under the ``file_system`` strategy, not enough shared
             memory (raised now, never a bus error later).
         FdLimitError: under a ``file_descriptor`` strategy chosen by the user, this
@@ -91,6 +92,7 @@ def zeros(
             procspawn.spawn(add_rank, args=(totals,), nprocs=4)
             assert totals.tolist() == [0, 1, 2, 3]
     """
+    _check_dtype(dtype, "sharing.zeros cannot make this array")
     return empty_like_in_segment(shape, dtype)
 
 
@@ -149,7 +151,8 @@ def share_memory_(obj: _T) -> _T:
 
     Raises:
         TypeError: ``obj`` is a tuple or has nothing to search; a masked array is found
-            (share its ``.data`` and ``.mask`` instead); or an array sits where it cannot
+            (share its ``.data`` and ``.mask`` instead), or an array of Python objects
+            (``dtype=object``, which no other process can read); or an array sits where it cannot
             be replaced (a read-only attribute, a tuple type that cannot be rebuilt):
             nothing would share it, and writes made by the ranks would be lost. The
             check comes before anything is changed when it can (masked arrays, bad
@@ -198,7 +201,18 @@ def share_memory_(obj: _T) -> _T:
     return obj
 
 
+def _check_dtype(dtype: Any, what: str) -> None:
+    if np.dtype(dtype).hasobject:
+        raise TypeError(
+            f"{what}: its dtype ({np.dtype(dtype)}) holds references to Python objects of "
+            f"this process, which no other process can read through shared memory. Use a "
+            f"numeric or fixed-size string dtype, or send the array as it is (it travels "
+            f"by value, a copy)."
+        )
+
+
 def _check_array(array: np.ndarray, where: str) -> None:
+    _check_dtype(array.dtype, f"share_memory_ cannot share {where}")
     if isinstance(array, np.ma.MaskedArray):
         raise TypeError(
             f"share_memory_ cannot share {where}, a masked array: its mask would stay "

@@ -200,6 +200,13 @@ def _cloud_picklers() -> tuple[type, type]:
                     and _main_names.by_name(obj)
                 ):
                     return NotImplemented  # by name: the receiver has this very definition
+                if isinstance(obj, type) and obj.__module__ not in sys.modules:
+                    _import_quietly(obj.__module__)
+                for base, reducer in _registry.subclass_reducers.items():
+                    if isinstance(obj, base) and type(obj) is not base:
+                        reduced = reducer(obj)
+                        if reduced is not NotImplemented:
+                            return reduced
                 return super().reducer_override(obj)
 
         class DeferringPickler(Pickler):
@@ -224,6 +231,16 @@ def _cloud_picklers() -> tuple[type, type]:
 
         _cloud = (Pickler, DeferringPickler)
     return _cloud
+
+
+def _import_quietly(module: str) -> None:
+    """Import the module a class says it is from, as pickle does to send a class by
+    name: cloudpickle sends a class whose module is not imported by value, a copy that is
+    not the class (``np.recarray`` says ``numpy.rec``, a module only imported on use)."""
+    try:
+        late_import(module)  # (from any thread: see _late)
+    except Exception:  # noqa: BLE001 -- then by value, as cloudpickle would
+        pass
 
 
 def _reduce_code(code: types.CodeType) -> Any:

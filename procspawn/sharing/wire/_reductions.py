@@ -8,7 +8,9 @@ and the receiver rebuilds them over one mapping: views stay views.
 * any other array of at least ``PROCSPAWN_INLINE_BYTES`` bytes (default 65536): copied
   once into a new segment (C or Fortran order, as the source), the sender's array
   untouched;
-* smaller ones, zero-size ones and object dtypes: pickled as NumPy pickles them.
+* smaller ones, zero-size ones and object dtypes: pickled as NumPy pickles them;
+* a shared array of an ndarray subclass: the handle, made the subclass again on arrival
+  (an unshared one is pickled as NumPy pickles it).
 
 Two sections, one per kind of channel: procspawn's own (the descriptors ride inside the
 message), and multiprocessing's (``ForkingPickler``), which cannot carry descriptors and
@@ -37,11 +39,13 @@ from . import _handles
 
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
-    if array.size == 0:  # no bytes to share (and a reversed empty view points past its block)
+    # no bytes to share (and a reversed empty view points past its block); or references
+    # to objects of this process, which no other can read (by value, even over a segment)
+    if array.size == 0 or array.dtype.hasobject:
         return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
     found = segment_of(array)
     if found is None:
-        if array.dtype.hasobject or array.nbytes < _settings.get("PROCSPAWN_INLINE_BYTES"):
+        if array.nbytes < _settings.get("PROCSPAWN_INLINE_BYTES"):
             return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         array = copy_to_segment(array, for_send=True)
         found = segment_of(array)
@@ -58,7 +62,28 @@ def _rebuild_ndarray(handle: _handles.Handle, *array_layout: Any) -> np.ndarray:
     return array_over(_handles.segment_from_handle(handle), *array_layout)
 
 
+def _reduce_shared_subclass(array: np.ndarray) -> Any:
+    """A shared array of an ndarray subclass (``np.matrix``, ``np.recarray``, one of the
+    user's): as the plain array over the same memory, made the subclass again on the other
+    side, with its attributes, so that writes are shared as they are for an ndarray.
+    Any other goes as NumPy pickles it (a copy): a masked array's mask is private."""
+    if array.size == 0 or array.dtype.hasobject or isinstance(array, np.ma.MaskedArray):
+        return NotImplemented
+    if segment_of(array) is None:
+        return NotImplemented
+    state = getattr(array, "__dict__", None) or None
+    return (_rebuild_subclass, (array.view(np.ndarray), type(array), state))
+
+
+def _rebuild_subclass(plain: np.ndarray, cls: type, state: dict[str, Any] | None) -> Any:
+    array = plain.view(cls)
+    if state:
+        array.__dict__.update(state)
+    return array
+
+
 _registry.register(np.ndarray, _reduce_ndarray)
+_registry.subclass_reducers[np.ndarray] = _reduce_shared_subclass
 
 
 # -- multiprocessing's own channels (stdlib Queue, Pipe, Pool, Process args) ---------------
@@ -75,7 +100,7 @@ _BUILTIN_ONLY = ("file_descriptor", "file_system")
 
 
 def _reduce_for_stdlib(array: np.ndarray) -> Any:
-    found = segment_of(array)
+    found = None if array.dtype.hasobject else segment_of(array)
     if found is None or found[0].strategy not in _BUILTIN_ONLY or array.size == 0:
         return array.__reduce_ex__(_NUMPY_PROTOCOL)
     segment, offset, block = found

@@ -76,7 +76,7 @@ def _reduce_shared_subclass(array: np.ndarray) -> Any:
 
 
 def _rebuild_subclass(plain: np.ndarray, cls: type, state: dict[str, Any] | None) -> Any:
-    array = plain.view(cls)
+    array: Any = plain.view(cls)
     if state:
         array.__dict__.update(state)
     return array

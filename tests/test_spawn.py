@@ -3,6 +3,7 @@ environment, terminate() and a context dropped unclosed."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -269,6 +270,30 @@ def test_terminate_from_another_thread_during_join_is_not_a_failure(start_method
     assert ctx.results == [None, None]
     assert all(p.exitcode is not None for p in ctx.processes)
     assert ctx.join() is True  # and later joins too
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_context_dropped_while_its_ranks_run_stops_them(start_method):
+    """Nothing can join them or read their results any more, and their output goes with
+    the context: they are stopped, as terminate() would, not left running (the program's
+    exit waited for them, and a rank that printed died of a broken pipe)."""
+    ctx = mp.spawn(sleep_then_return, args=(30,), nprocs=2, join=False, start_method=start_method)
+    pids = ctx.pids()
+    with pytest.warns(ResourceWarning, match="dropped while 2 of its ranks ran"):
+        del ctx
+        gc.collect()
+    deadline = time.monotonic() + 10
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_running(pid) for pid in pids)
 
 
 def _kill_listed(pid_file, nprocs):

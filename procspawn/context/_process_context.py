@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
@@ -121,7 +122,11 @@ class ProcessContext(Generic[_R]):
             raise
         # keepalive: the spawn payload, whose shared segments the ranks map
         self._release = weakref.finalize(
-            self, _release, self._readers, output, progress, keepalive, self._watcher, owned
+            self,
+            _release_dropped,
+            processes,
+            grace_period,
+            (self._readers, output, progress, keepalive, self._watcher, owned),
         )
         self._grace_period = grace_period
         self._started = time.monotonic()
@@ -456,6 +461,35 @@ def _close_watcher(watcher: Watcher, owned: list[int]) -> None:
         with contextlib.suppress(OSError):
             os.close(fd)
     owned.clear()
+
+
+def _release_dropped(
+    processes: list[BaseProcess], grace: float | None, held: tuple[Any, ...]
+) -> None:
+    """``_release(*held)``, for ``_close`` or the garbage collector. A context dropped
+    while ranks ran (nothing could join them or read their results, and their output pipes
+    go with it) stops them first, as ``terminate()`` would, in a thread of its own: the
+    collector may run this in any thread, inside any locked section."""
+    alive = [p for p in processes if p.exitcode is None]
+    if not alive:
+        _release(*held)
+        return
+    if grace is None:
+        grace = default_grace_period()
+    warnings.warn(
+        f"a ProcessContext was dropped while {len(alive)} of its ranks ran: they are "
+        f"stopped (SIGTERM, SIGKILL after {grace:g} s). Call join() or terminate() on it",
+        ResourceWarning,
+        stacklevel=2,
+    )
+
+    def stop_then_release() -> None:
+        try:
+            stop(alive, grace)
+        finally:
+            _release(*held)
+
+    threading.Thread(target=stop_then_release, name="procspawn-dropped", daemon=True).start()
 
 
 def _release(

@@ -165,6 +165,64 @@ def _daemon_pids(address: str) -> list[int]:
     return found
 
 
+@pytest.mark.timeout(90)
+def test_names_of_a_rank_killed_right_after_its_daemon_go_while_the_program_runs():
+    """The daemon SIGKILLed, then at once a rank holding names of its own: only the dead
+    daemon knew them, and the next one's start-up sweep finds them too young (a name that
+    young may be being made). That daemon looks again once they are old enough."""
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        import procspawn as mp
+        from procspawn import sharing
+        from procspawn.sharing.daemon import _client
+
+        def holder(rank, ready):
+            kept = [sharing.zeros(100_000) for _ in range(3)]
+            ready.set()
+            time.sleep(60)
+
+        def daemons(address):
+            found = []
+            for entry in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        if address.encode() in f.read():
+                            found.append(int(entry))
+                except OSError:
+                    pass
+            return found
+
+        if __name__ == "__main__":
+            mp.set_sharing_strategy("file_system")
+            data = sharing.zeros(100_000)  # this process is a client too
+            ready = mp.Event()
+            ctx = mp.spawn(holder, args=(ready,), nprocs=1, join=False)
+            assert ready.wait(30)
+            [rank] = ctx.pids()
+            mine = lambda: [n for n in os.listdir("/dev/shm")
+                            if n.startswith(f"procspawn_{rank}_")]
+            assert len(mine()) == 3, mine()
+            [daemon] = daemons(_client.tree_address())
+            os.kill(daemon, signal.SIGKILL)
+            os.kill(rank, signal.SIGKILL)
+            try:
+                ctx.join(20)
+            except mp.ProcessExitedException:
+                pass
+            deadline = time.monotonic() + 10
+            while mine() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not mine(), mine()
+            assert float(data.sum()) == 0.0
+            print("ok")
+        """
+    )
+    result = run_script(code, timeout=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
 def test_a_tree_killed_whole_is_swept_by_the_next_daemon(tmp_path):
     # Parent, rank and daemon all SIGKILLed at once: nobody is left to clean. The next
     # daemon this user starts frees what they left (once it is a few seconds old).

@@ -141,10 +141,16 @@ class _Daemon:
     def busy(self) -> bool:
         return bool(self.clients or self.exiting or self.polled or self.unfinished)
 
-    def run(self) -> list[str]:
+    def run(self, resweep: bool = False) -> list[str]:
         next_check = time.monotonic() + _CHECK
+        # (resweep) once more when what was too young for the start-up sweep is not: a
+        # client killed with its daemon (nobody else knew its names) an instant before
+        resweep_at = time.monotonic() + table.YOUNG + 0.5 if resweep else None
         while True:
             now = time.monotonic()
+            if resweep_at is not None and now >= resweep_at:
+                resweep_at = None
+                table.sweep()
             if not self.busy():
                 if self.idle_since is None:
                     self.idle_since = now
@@ -159,6 +165,8 @@ class _Daemon:
                 self.accept_at = None
                 self.sel.register(self.listener, selectors.EVENT_READ)
             wake = [next_check]
+            if resweep_at is not None:
+                wake.append(resweep_at)
             if self.idle_since is not None:
                 wake.append(self.idle_since + self.grace)
             if self.accept_at is not None:
@@ -313,9 +321,11 @@ class _Daemon:
             self.let_go_of(name, pid)
 
 
-def serve(listener: socket.socket, grace: float = GRACE) -> list[str]:
-    """Run until no client is left for ``grace`` seconds; returns the names swept then."""
-    return _Daemon(listener, grace).run()
+def serve(listener: socket.socket, grace: float = GRACE, resweep: bool = False) -> list[str]:
+    """Run until no client is left for ``grace`` seconds; returns the names swept then.
+    ``resweep``: sweep this user's names once more when the start-up sweep's too young
+    ones are old enough."""
+    return _Daemon(listener, grace).run(resweep)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     table.log(f"serving @{args.address}")
     # What a tree killed whole (daemon included) left behind: nobody else will free it.
     table.sweep()
-    serve(listener, args.grace)
+    serve(listener, args.grace, resweep=True)
     table.log("exiting")
     return 0
 

@@ -163,6 +163,15 @@ def sleep_forever(rank):
     time.sleep(120)
 
 
+def running(pid: int) -> bool:
+    """Running, as /proc shows it (a zombie is dead: it only waits to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # (ESRCH: being reaped as we read)
+        return False
+
+
 def script_env() -> dict:
     """The environment for a script run as a user would run it: the repository on the
     path, everything else as it is."""

@@ -20,6 +20,7 @@ from _helpers import (
     identity,
     quick_or_fail,
     quick_or_slow,
+    running,
     script_env,
     sleep_forever,
 )
@@ -201,17 +202,9 @@ def _wait_gone(pids, seconds=15.0):
     deadline = time.monotonic() + seconds
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if _alive(pid)]
+        alive = [pid for pid in alive if running(pid)]
         time.sleep(0.05)
     return alive
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _start_parent(tmp_path, start_method, extra=""):
@@ -285,7 +278,7 @@ def _state(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (ESRCH: being reaped as we read)
         return "gone"
 
 

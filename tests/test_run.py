@@ -17,7 +17,7 @@ import textwrap
 import time
 
 import pytest
-from _helpers import script_env
+from _helpers import running, script_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,17 +76,8 @@ def _wait_ready(directory, nprocs: int, launcher=None) -> list[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    """Running, as /proc shows it (a zombie is dead: it only waits to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _assert_gone(pids) -> None:
-    alive = [pid for pid in pids if _alive(pid)]
+    alive = [pid for pid in pids if running(pid)]
     assert not alive, f"ranks outlived the launcher: {alive}"
 
 
@@ -397,7 +388,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path, launch):
     left = set(pids)
     while left and time.monotonic() < deadline:
         for pid in list(left):
-            if not _alive(pid):
+            if not running(pid):
                 left.discard(pid)
                 try:  # reparented to this test process (a subreaper): reap it
                     os.waitpid(pid, os.WNOHANG)

@@ -23,6 +23,7 @@ from _helpers import (
     quick_or_slow,
     rank_environment,
     run_file,
+    running,
     scaled,
     sleep_then_return,
     square,
@@ -272,14 +273,6 @@ def test_terminate_from_another_thread_during_join_is_not_a_failure(start_method
     assert ctx.join() is True  # and later joins too
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.timeout(60)
 def test_a_context_dropped_while_its_ranks_run_stops_them(start_method):
     """Nothing can join them or read their results any more, and their output goes with
@@ -291,9 +284,9 @@ def test_a_context_dropped_while_its_ranks_run_stops_them(start_method):
         del ctx
         gc.collect()
     deadline = time.monotonic() + 10
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not any(_running(pid) for pid in pids)
+    assert not any(running(pid) for pid in pids)
 
 
 def _kill_listed(pid_file, nprocs):

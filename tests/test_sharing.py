@@ -380,7 +380,7 @@ def _write_subclasses(rank, rec, tagged, plain_rec):
 
 
 @pytest.mark.timeout(60)
-def test_shared_arrays_of_subclasses_reach_ranks_and_pool_workers_shared(start_method):
+def test_shared_arrays_of_subclasses_reach_ranks_and_pool_workers_shared():
     """A shared np.recarray or subclass of the user's is the same memory in a
     rank (writes seen by the parent), of its type, with its attributes; an unshared
     recarray arrives as a recarray that works (its class by name, not a copy of it)."""
@@ -391,11 +391,11 @@ def test_shared_arrays_of_subclasses_reach_ranks_and_pool_workers_shared(start_m
     plain_rec = np.ones(4, dtype=[("a", "f8")]).view(np.recarray)
     args = (rec, tagged, plain_rec)
     expected = (["recarray", "Tagged", "recarray"], "weights", [True, True], 1.0)
-    [out] = mp.spawn(_write_subclasses, args=args, nprocs=1, start_method=start_method)
+    [out] = mp.spawn(_write_subclasses, args=args, nprocs=1)  # (pickling: any start method)
     assert out == expected
     assert (rec["a"][0], tagged[0]) == (42, 42)  # the rank's writes
     rec["a"][0] = tagged[0] = 0
-    with mp.Pool(1, context=start_method) as pool:
+    with mp.Pool(1) as pool:
         assert pool.apply(_write_subclasses, (0, *args)) == expected
     assert (rec["a"][0], tagged[0]) == (42, 42)
 

@@ -172,14 +172,14 @@ def test_small_results_of_one_task_workers_take_their_size_not_a_slab_each(strat
     # each worker sends one small array and exits: its slab holds that array alone
     block = np.arange(9_000, dtype=np.float64)  # 72 KB: under the slab threshold
     with mp.Pool(2, maxtasksperchild=1) as pool:
-        results = pool.map(np.negative, [block] * 60, chunksize=1)
+        results = pool.map(np.negative, [block] * 24, chunksize=1)
         assert all(np.array_equal(r, -block) for r in results)
         page_rounded = -(-block.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
         sizes = {segment_of(r)[0].key: segment_of(r)[0].size for r in results}
-        assert len(sizes) == 60 and set(sizes.values()) == {page_rounded}  # not 4 MiB each
+        assert len(sizes) == 24 and set(sizes.values()) == {page_rounded}  # not 4 MiB each
         if strategy == "file_system":  # from outside, where a segment's size is reserved
-            # (each with a page for its holder table): 4.6 MB, not 60 x 4 MiB
-            assert _dev_shm_bytes_of_others() <= 60 * (page_rounded + mmap.PAGESIZE)
+            # (each with a page for its holder table): 1.9 MB, not 24 x 4 MiB
+            assert _dev_shm_bytes_of_others() <= 24 * (page_rounded + mmap.PAGESIZE)
         del results
 
 

@@ -1,4 +1,5 @@
-"""Level 0: modules imported after start-up, from any thread, never cut in half by a fork.
+"""Level 0: what a fork must not cut in half: modules imported after start-up, from any
+thread, and module locks.
 
 procspawn imports some modules at their first use rather than as a pool starts (ctypes,
 ``logging``, the errors of a broken pool): ~1.5-7 ms each that a pool which never needs
@@ -8,7 +9,9 @@ program that makes a pool while another forks), and a fork made by another threa
 the middle of the import handed the child a half-imported module, and an import lock held
 by a thread the child has not: the child failed or hung at its own first use.
 :func:`late_import` holds a lock that every fork takes first (``os.register_at_fork``),
-so a fork waits for the import to finish.
+so a fork waits for the import to finish. :func:`renew_lock_in_child` gives a forked
+child a new module lock: a fork made while another thread held one handed the child a lock
+that nobody would release.
 """
 
 from __future__ import annotations
@@ -34,3 +37,9 @@ def late_import(name: str, package: str | None = None) -> ModuleType:
     interrupts."""
     with _importing:
         return importlib.import_module(name, package)
+
+
+def renew_lock_in_child(namespace: dict[str, object], name: str = "_lock") -> None:
+    """In every child forked from now on, ``namespace[name]`` (a module's globals) is a
+    new ``threading.Lock``."""
+    os.register_at_fork(after_in_child=lambda: namespace.__setitem__(name, threading.Lock()))

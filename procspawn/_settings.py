@@ -14,6 +14,8 @@ import threading
 import warnings
 from collections.abc import Callable
 
+from ._late import renew_lock_in_child
+
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
     from typing import Any
@@ -203,14 +205,7 @@ SETTINGS: dict[str, Setting] = {
 _values: dict[str, Any] = {}
 _lock = threading.Lock()
 
-
-def _new_lock_after_fork() -> None:
-    # a fork made while another thread held it hands the child a lock nobody releases
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+renew_lock_in_child(globals())
 
 
 def get(name: str) -> Any:

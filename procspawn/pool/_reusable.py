@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from multiprocessing.context import BaseContext
 
+from .._late import renew_lock_in_child
 from ..context.launch._start_method import start_method_of
 from ._executor import ProcessPoolExecutor
 
@@ -22,14 +23,7 @@ if TYPE_CHECKING:
 
 _lock = threading.Lock()
 
-
-def _new_lock_after_fork() -> None:
-    # a fork made while another thread held it hands the child a lock nobody releases
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+renew_lock_in_child(globals())
 _executor: ProcessPoolExecutor | None = None
 _settings: tuple[Any, ...] | None = None
 

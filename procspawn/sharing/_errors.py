@@ -8,6 +8,8 @@ import os
 import resource
 import threading
 
+from .._late import renew_lock_in_child
+
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
     from typing import Any
@@ -15,14 +17,7 @@ if TYPE_CHECKING:
 _raised = False
 _lock = threading.Lock()
 
-
-def _new_lock_after_fork() -> None:
-    # a fork made while another thread held it hands the child a lock nobody releases
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+renew_lock_in_child(globals())
 
 
 def raise_fd_limit() -> None:

@@ -14,7 +14,7 @@ import threading
 import warnings
 
 from ... import _log, _settings
-from ..._late import late_import
+from ..._late import late_import, renew_lock_in_child
 from .. import _registry
 from .._errors import FdLimitError, SharedMemoryFullError
 from . import _mapcache, _recycled
@@ -171,14 +171,7 @@ class SharingStrategy:
 _strategies: dict[str, SharingStrategy] = {}
 _lock = threading.Lock()
 
-
-def _new_lock_after_fork() -> None:
-    # a fork made while another thread held it hands the child a lock nobody releases
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)
+renew_lock_in_child(globals())
 _current: str | None = None
 _explicit = False  # chosen by the user (set_sharing_strategy or the environment)
 _fell_back = False  # warned once

@@ -233,14 +233,19 @@ def _cloud_picklers() -> tuple[type, type]:
     return _cloud
 
 
+_unimportable: set[str] = set()  # modules _import_quietly tried (a failed import is slow)
+
+
 def _import_quietly(module: str) -> None:
     """Import the module a class says it is from, as pickle does to send a class by
     name: cloudpickle sends a class whose module is not imported by value, a copy that is
     not the class (``np.recarray`` says ``numpy.rec``, a module only imported on use)."""
+    if module in _unimportable:
+        return
     try:
         late_import(module)  # (from any thread: see _late)
     except Exception:  # noqa: BLE001 -- then by value, as cloudpickle would
-        pass
+        _unimportable.add(module)
 
 
 def _reduce_code(code: types.CodeType) -> Any:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pool import TerminatedWorkerError as TerminatedWorkerError
     from .pool import get_reusable_executor as get_reusable_executor
     from .sharing import ChannelClosed as ChannelClosed
+    from .sharing import CudaError as CudaError
     from .sharing import FdLimitError as FdLimitError
     from .sharing import SharedMemoryFullError as SharedMemoryFullError
     from .sharing import get_all_sharing_strategies as get_all_sharing_strategies
@@ -104,6 +105,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "get_sharing_strategy": (".sharing", "get_sharing_strategy"),
     "set_sharing_strategy": (".sharing", "set_sharing_strategy"),
     "ChannelClosed": (".sharing", "ChannelClosed"),
+    "CudaError": (".sharing", "CudaError"),
     "FdLimitError": (".sharing", "FdLimitError"),
     "SharedMemoryFullError": (".sharing", "SharedMemoryFullError"),
     # multiprocessing's names that procspawn makes its own (the default context's methods)

@@ -22,6 +22,7 @@ import multiprocessing.context as mpc
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
+from .context.launch._cuda_guard import refuse_fork
 from .context.launch._start_method import get_start_method, set_start_method
 from .sharing.channels._connection import Pipe as _Pipe
 from .sharing.channels._queues import JoinableQueue as _JoinableQueue
@@ -183,7 +184,10 @@ class SpawnProcess(_ProcessMixin, mpc.SpawnProcess):
 
 
 class ForkProcess(_ProcessMixin, mpc.ForkProcess):
-    pass
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        refuse_fork("Process.start()")
+        return mpc.ForkProcess._Popen(process_obj)
 
 
 class ForkServerProcess(_ProcessMixin, mpc.ForkServerProcess):

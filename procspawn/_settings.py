@@ -142,6 +142,21 @@ SETTINGS: dict[str, Setting] = {
             "unshared arrays smaller than this are pickled inline (`64k` works too)",
         ),
         Setting(
+            "PROCSPAWN_GPU_INLINE_BYTES",
+            "bytes",
+            65536,
+            "unshared GPU (CuPy) arrays smaller than this travel by value, a host copy "
+            "rebuilt on the same GPU; larger ones are copied into shareable device memory "
+            "at the send",
+        ),
+        Setting(
+            "PROCSPAWN_GPU_HOST_COPY",
+            "flag",
+            False,
+            "`1`: a GPU array whose GPU cannot share memory (no virtual memory management: "
+            "MIG, WSL2) travels as a host copy instead of raising an error",
+        ),
+        Setting(
             "PROCSPAWN_POOL_BYTES",
             "bytes",
             None,

@@ -14,7 +14,13 @@ import pytest
 
 import procspawn
 
-PACKAGES = ["procspawn", "procspawn.context", "procspawn.pool", "procspawn.sharing"]
+PACKAGES = [
+    "procspawn",
+    "procspawn.context",
+    "procspawn.pool",
+    "procspawn.sharing",
+    "procspawn.sharing.cuda",
+]
 
 
 def _table(package) -> dict[str, tuple[str, str | None]]:
@@ -80,6 +86,8 @@ def test_all_is_the_table(name):
 
 @pytest.mark.parametrize("name", PACKAGES)
 def test_every_public_name_imports_and_is_documented(name):
+    if name == "procspawn.sharing.cuda":
+        pytest.importorskip("cupy", reason="procspawn.sharing.cuda's names need CuPy")
     package = importlib.import_module(name)
     for public in _table(package):
         value = getattr(package, public)

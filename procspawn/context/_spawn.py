@@ -34,6 +34,7 @@ from ._errors import ctrl_c_in_caller
 from ._process_context import ProcessContext
 from ._progress import Progress, as_progress
 from .launch._child import check_can_start_children, parent_death_signal_is_safe, start_child
+from .launch._cuda_guard import refuse_fork
 from .launch._start_method import get_start_method
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,6 +85,8 @@ def _check(
         raise ValueError(
             f"unknown start method {start_method!r}; this platform has: {', '.join(methods)}"
         )
+    if start_method == "fork":
+        refuse_fork("spawn")
     if timeout is not None:
         if not join:
             raise ValueError(

@@ -59,6 +59,7 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worke
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._errors import ChannelClosed as ChannelClosed
+    from ._errors import CudaError as CudaError
     from ._errors import FdLimitError as FdLimitError
     from ._errors import SharedMemoryFullError as SharedMemoryFullError
     from ._message import attach_fd as attach_fd
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _LAZY = {
     "ChannelClosed": "._errors",
+    "CudaError": "._errors",
     "FdLimitError": "._errors",
     "Segment": ".segments._segment",
     "SharedMemoryFullError": "._errors",

@@ -14,6 +14,20 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worke
 if TYPE_CHECKING:
     from typing import Any
 
+
+class CudaError(RuntimeError):
+    """A GPU array could not be shared: a CUDA driver call failed, or the GPU cannot share
+    memory. The message names the call, the driver's error and what to do; ``.code`` is
+    the driver's status (0 where no call failed)."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self) -> Any:
+        return (type(self), (str(self), self.code))
+
+
 _raised = False
 _lock = threading.Lock()
 

@@ -26,10 +26,13 @@ reducers: dict[type, Callable[[Any], Any]] = {}
 # exact type) never sees; it returns NotImplemented for those pickled the usual way.
 # Asked by the cloudpickle pickler (the C pickler hands such objects over to it)
 subclass_reducers: dict[type, Callable[[Any], Any]] = {}
+# type -> whether an instance lies in shared memory, for a plug-in's array type (a CuPy
+# array): what sharing.is_shared asks
+shared_tests: dict[type, Callable[[Any], bool]] = {}
 version = 0  # bumped on every change: a pickler reads its dispatch table when it is made
 
 # third-party module -> the procspawn module registering its reducers
-PLUGINS: dict[str, str] = {"numpy": ".wire._reductions"}
+PLUGINS: dict[str, str] = {"numpy": ".wire._reductions", "cupy": ".cuda._cupy"}
 _loaded: set[str] = set()
 
 

@@ -17,7 +17,7 @@ from multiprocessing.process import BaseProcess
 
 from ..._late import late_import
 from ..._output import OutputForwarder
-from . import _posix
+from . import _cuda_guard, _posix
 from ._redirect import EarlyRedirect, RedirectFds
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
@@ -74,6 +74,7 @@ def start_child(
             proc._procspawn_early_redirect = EarlyRedirect(redirect)  # type: ignore[attr-defined]
             proc._procspawn_pool_worker = pool_worker  # type: ignore[attr-defined]
         else:
+            _cuda_guard.refuse_fork("procspawn")
             _posix.load_prctl()  # inherited by the child (see parent_death_signal_is_safe)
             late_import(f"multiprocessing.popen_{start_method}")  # (what start() imports)
             mp_context = multiprocessing.get_context(start_method)

@@ -30,7 +30,7 @@ from multiprocessing import forkserver, popen_forkserver, resource_tracker, util
 from multiprocessing.context import ForkServerProcess
 
 from ...sharing.channels._fdpass import wait_readable
-from . import _posix
+from . import _cuda_guard, _posix
 from ._popen import pickle_for_child
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
@@ -196,6 +196,10 @@ class _Popen(popen_forkserver.Popen):
 
 class RankForkServerProcess(ForkServerProcess):
     """A forkserver-method Process started by procspawn's fork server."""
+
+    def run(self) -> None:
+        _cuda_guard.check_forked_child()  # before anything of the user's runs
+        super().run()
 
     @staticmethod
     def _Popen(process_obj: Any) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 
 from ... import _settings
+from . import _cuda_guard
 
 TYPE_CHECKING = False  # as typing's, without importing typing
 if TYPE_CHECKING:
@@ -96,7 +97,10 @@ def start_method_of(context: str | BaseContext | None) -> str:
     (procspawn's or the stdlib's), a method name, or None (procspawn's default,
     ``get_start_method()``)."""
     if context is None:
-        return get_start_method()
+        method = get_start_method()
+        if method == "fork":
+            _cuda_guard.refuse_fork("a pool")
+        return method
     if isinstance(context, str):
         method = context
     else:
@@ -112,6 +116,8 @@ def start_method_of(context: str | BaseContext | None) -> str:
             f"unknown start method {method!r}; this platform has: "
             f"{', '.join(multiprocessing.get_all_start_methods())}"
         )
+    if method == "fork":
+        _cuda_guard.refuse_fork("a pool")
     return method
 
 

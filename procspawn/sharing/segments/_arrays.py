@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
+from .. import _registry
 from . import _recycled, _slabs
 from ._ndarray import copy_to_segment, empty_like_in_segment
 from ._segment import segment_of
@@ -118,8 +119,9 @@ def is_shared(array: object) -> bool:
 
     Returns:
         True for an array made by :func:`zeros` / :func:`empty` / :func:`share_memory_`,
-        received from another process through procspawn, or a view of one; False
-        otherwise, and for anything that is not an ndarray.
+        received from another process through procspawn, or a view of one; for a CuPy
+        array, True when it lies in shareable device memory
+        (``procspawn.sharing.cuda``); False otherwise, and for anything else.
 
     Example::
 
@@ -130,7 +132,11 @@ def is_shared(array: object) -> bool:
         assert sharing.is_shared(shared) and sharing.is_shared(shared[2:4])
         assert not sharing.is_shared(np.zeros(8))
     """
-    return isinstance(array, np.ndarray) and segment_of(array) is not None
+    if isinstance(array, np.ndarray):
+        return segment_of(array) is not None
+    _registry.load_plugins()  # (a GPU array's plug-in answers for its type)
+    test = _registry.shared_tests.get(type(array))
+    return test is not None and test(array)
 
 
 def share_memory_(obj: _T) -> _T:
@@ -265,9 +271,13 @@ def _items(obj: Any) -> list[tuple[Any, Any]]:
     return items
 
 
-def _collect(obj: Any) -> list[np.ndarray]:
-    """Every ndarray reachable from ``obj`` through containers and plain objects."""
-    arrays: list[np.ndarray] = []
+def _collect(
+    obj: Any, kind: type = np.ndarray, check: Callable[[Any, str], None] | None = None
+) -> list[Any]:
+    """Every array of type ``kind`` (ndarray) reachable from ``obj`` through containers and
+    plain objects, each passed to ``check`` (by default ``_check_array``) with its place."""
+    checker: Callable[[Any, str], None] = _check_array if check is None else check
+    arrays: list[Any] = []
     seen: set[int] = set()
     stack = [obj]
     while stack:
@@ -276,15 +286,15 @@ def _collect(obj: Any) -> list[np.ndarray]:
             continue
         seen.add(id(item))
         for key, value in _items(item):
-            if isinstance(value, np.ndarray):
-                _check_array(value, f"{type(item).__name__}[{key!r}]")
+            if isinstance(value, kind):
+                checker(value, f"{type(item).__name__}[{key!r}]")
                 arrays.append(value)
             elif _searchable(value):
                 stack.append(value)
     return arrays
 
 
-def _replace(root: Any, moved: dict[int, np.ndarray]) -> None:
+def _replace(root: Any, moved: dict[int, Any], kind: type = np.ndarray) -> None:
     """Put the shared copies in place, children before parents (a tuple that changes is
     rebuilt, and its container takes the new one). Iterative: depth is no limit."""
     done: dict[int, Any] = {}  # id -> the object, or the tuple rebuilt for it
@@ -298,12 +308,12 @@ def _replace(root: Any, moved: dict[int, np.ndarray]) -> None:
             entered.add(id(obj))
             stack.append((obj, True))
             for _, value in _items(obj):
-                if not isinstance(value, np.ndarray) and _searchable(value):
+                if not isinstance(value, kind) and _searchable(value):
                     stack.append((value, False))
             continue
         changes = []
         for key, value in _items(obj):
-            if isinstance(value, np.ndarray):
+            if isinstance(value, kind):
                 new = moved.get(id(value), value)
             elif _searchable(value):
                 new = done.get(id(value), value)

@@ -180,6 +180,14 @@ _short = False  # the last memfd came near the descriptor limit
 BUILTIN: dict[str, tuple[str, str]] = {"file_system": ("._file_system", "FileSystemStrategy")}
 if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
     BUILTIN["file_descriptor"] = ("._file_descriptor", "FileDescriptorStrategy")
+# Strategies for device memory: the arrays' own plug-in picks them (never the default, nor
+# set_sharing_strategy's choice: a NumPy array has no device memory to put there)
+DEVICE: dict[str, tuple[str, str]] = {"cuda_fd": ("..cuda._fd", "CudaFdStrategy")}
+
+
+def built_in(name: str) -> bool:
+    """Whether strategy ``name`` is procspawn's own (it need not travel with handles)."""
+    return name in BUILTIN or name in DEVICE
 
 
 def register_strategy(name: str, strategy: SharingStrategy) -> None:
@@ -203,7 +211,7 @@ def register_strategy(name: str, strategy: SharingStrategy) -> None:
         )
     if not isinstance(name, str) or not name:
         raise ValueError(f"a sharing strategy needs a non-empty string name, got {name!r}")
-    if name in BUILTIN:
+    if built_in(name):
         raise ValueError(f"{name!r} is a built-in sharing strategy; pick another name")
     strategy.name = name
     with _lock:
@@ -213,8 +221,8 @@ def register_strategy(name: str, strategy: SharingStrategy) -> None:
 def strategy_named(name: str) -> SharingStrategy | None:
     """The strategy object registered as ``name`` (built-ins are made on first use)."""
     strategy = _strategies.get(name)
-    if strategy is None and name in BUILTIN:
-        module_name, class_name = BUILTIN[name]
+    if strategy is None and built_in(name):
+        module_name, class_name = BUILTIN.get(name) or DEVICE[name]
         cls = getattr(late_import(module_name, __package__), class_name)  # (see _late)
         with _lock:
             strategy = _strategies.get(name)

@@ -36,7 +36,7 @@ def reduce_segment(segment: Segment) -> Handle:
     """The strategy's handle of ``segment`` (attaching to the message being pickled)."""
     strategy = _strategy.strategy_named(segment.strategy)
     assert strategy is not None
-    travelling = None if segment.strategy in _strategy.BUILTIN else strategy
+    travelling = None if _strategy.built_in(segment.strategy) else strategy
     return (segment.strategy, travelling, segment.key, strategy.reduce(segment))
 
 

@@ -150,6 +150,15 @@ SETTINGS: dict[str, Setting] = {
             "at the send",
         ),
         Setting(
+            "PROCSPAWN_GPU_LINGER",
+            "seconds",
+            1.0,
+            "seconds a received GPU array's mapping outlives its last array (receiving the "
+            "same memory again then costs no new mapping; `0`: off); "
+            "`sharing.cuda.collect()` ends it",
+            "`1`",
+        ),
+        Setting(
             "PROCSPAWN_GPU_HOST_COPY",
             "flag",
             False,

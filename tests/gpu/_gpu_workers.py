@@ -169,3 +169,16 @@ def torch_add_one(inbox, outbox):
     outbox.put(float(tensor.sum()))
     del tensor
     inbox.get(timeout=60)  # the producer keeps its tensor until the consumer let go
+
+
+def torch_producer(rank, inbox, outbox):
+    """A torch producer: send a CUDA tensor to the consumer, see its write, report."""
+    import torch
+
+    tensor = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    inbox.put(tensor)
+    total = outbox.get(timeout=90)
+    seen = float(tensor[7])
+    inbox.put("done")
+    return total, seen

@@ -149,13 +149,17 @@ def collect() -> int:
     """Give back, now, the shareable device memory of arrays this process can no longer
     reach, and say how much it still maps.
 
-    A shareable block is unmapped as soon as the last array over it goes; only arrays
-    caught in reference cycles wait for Python's garbage collector, which this runs.
+    A shareable block is unmapped as soon as the last array over it goes, but for two
+    cases, which this ends: a block received from another process stays mapped for
+    ``PROCSPAWN_GPU_LINGER`` seconds after each receipt (receiving it again then costs no
+    new mapping), and arrays caught in reference cycles wait for Python's garbage
+    collector, which this runs.
 
     Returns:
         The bytes of shareable device memory this process still maps (made here or
-        received).
+        received, held by live arrays).
     """
+    _fd.release_lingering()
     gc.collect()
     return _fd.held()
 

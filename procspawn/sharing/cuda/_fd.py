@@ -26,10 +26,12 @@ import bisect
 import os
 import secrets
 import threading
+import time
 import weakref
 
 import cupy
 
+from ... import _settings
 from ..._late import renew_lock_in_child
 from .. import _message
 from ..segments import _mapcache, _strategy
@@ -207,6 +209,9 @@ class CudaFdStrategy(SharingStrategy):
         assert isinstance(segment, DeviceSegment)
         return (_message.attach_fd(segment.fd, segment), segment.size, segment.uuid, segment.key)
 
+    def adopt_cached(self, handle: Any, segment: Segment) -> None:
+        linger(segment)
+
     def rebuild(self, handle: Any) -> Segment:
         index, size, uuid, key = handle
         device = device_of(uuid)
@@ -221,7 +226,9 @@ class CudaFdStrategy(SharingStrategy):
         except BaseException:
             os.close(fd)
             raise
-        return DeviceSegment(address=address, size=size, key=key, fd=fd, device=device)
+        segment = DeviceSegment(address=address, size=size, key=key, fd=fd, device=device)
+        linger(segment)
+        return segment
 
 
 # -- slabs: small arrays share one allocation -------------------------------------------------
@@ -254,3 +261,73 @@ def strategy() -> SharingStrategy:
     found = _strategy.strategy_named(NAME)
     assert found is not None
     return found
+
+
+# -- linger: a received mapping outlives its last array by PROCSPAWN_GPU_LINGER seconds ------
+#
+# Mapping shareable memory costs about as much as moving a few MiB (import, reserve, map,
+# set access), so a consumer that drops each array it gets and receives the same memory
+# again would pay it every time. A received segment is kept for a while after each receipt:
+# memory kept on purpose, bounded in time, given back by ``release_lingering()``
+# (``sharing.cuda.collect()``).
+
+_lingering: dict[Any, tuple[DeviceSegment, float]] = {}  # key -> (segment, deadline)
+_wake = threading.Condition(threading.Lock())
+_keeper: threading.Thread | None = None
+
+
+def linger(segment: Segment) -> None:
+    """Keep received ``segment`` mapped until PROCSPAWN_GPU_LINGER seconds from now."""
+    global _keeper
+    seconds = _settings.get("PROCSPAWN_GPU_LINGER")
+    if seconds <= 0:
+        return
+    assert isinstance(segment, DeviceSegment)
+    with _wake:
+        _lingering[segment.key] = (segment, time.monotonic() + seconds)
+        if _keeper is None or not _keeper.is_alive():
+            _keeper = threading.Thread(target=_keep, name="procspawn-gpu-linger", daemon=True)
+            _keeper.start()
+        _wake.notify()
+
+
+def _keep() -> None:
+    """Drop each lingering segment at its deadline (the keeper thread; it ends after 5 s
+    with nothing to keep)."""
+    global _keeper
+    while True:
+        with _wake:
+            now = time.monotonic()
+            expired = [key for key, (_, deadline) in _lingering.items() if deadline <= now]
+            dropped = [_lingering.pop(key) for key in expired]
+            if not dropped:
+                if not _lingering:
+                    _wake.wait(5.0)
+                    if not _lingering:
+                        _keeper = None
+                        return
+                else:
+                    soonest = min(deadline for _, deadline in _lingering.values())
+                    _wake.wait(max(0.0, soonest - now))
+                continue
+        del dropped  # (outside the lock: releasing a segment syncs its stream and unmaps)
+
+
+def release_lingering() -> int:
+    """Let go now of every received segment kept by the linger; returns how many."""
+    with _wake:
+        dropped = list(_lingering.values())
+        _lingering.clear()
+    count = len(dropped)
+    del dropped
+    return count
+
+
+def _reset_after_fork() -> None:
+    global _keeper, _wake
+    _lingering.clear()
+    _keeper = None
+    _wake = threading.Condition(threading.Lock())
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

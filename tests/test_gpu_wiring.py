@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from _helpers import square, script_env
+from _helpers import script_env, square
 
 import procspawn
 from procspawn import sharing

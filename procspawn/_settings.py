@@ -150,6 +150,16 @@ SETTINGS: dict[str, Setting] = {
             "at the send",
         ),
         Setting(
+            "PROCSPAWN_GPU_IPC",
+            "flag",
+            False,
+            "`1`: GPU arrays outside procspawn's shareable memory (CuPy's pool) are shared by "
+            "CUDA IPC handle (`cuda_ipc`, not yet run on a GPU) instead of being copied "
+            "into shareable memory at each send (`sharing.cuda.set_ipc` says the same "
+            "from code)",
+            "unset",
+        ),
+        Setting(
             "PROCSPAWN_GPU_LINGER",
             "seconds",
             1.0,

@@ -13,6 +13,7 @@ import socket
 import sys
 from typing import Any
 
+from ..sharing import _message
 from ..sharing.channels._fdpass import send_message
 from ..sharing.wire import _pickler
 from .launch import _posix
@@ -56,7 +57,11 @@ def main(
             _report(channel, exc)
             sys.exit(1)
         try:
-            message = _pickler.dumps(("ok", result))
+            durable = _message.set_durable(True)  # read after this rank exited
+            try:
+                message = _pickler.dumps(("ok", result))
+            finally:
+                _message.set_durable(durable)
         except BaseException as exc:
             _report(channel, exc, f"the return value of rank {rank} could not be pickled: ")
             sys.exit(1)

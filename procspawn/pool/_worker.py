@@ -35,6 +35,7 @@ import sys
 import types
 
 from ..context.launch import _posix
+from ..sharing import _message
 from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing._message import Message
 from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
@@ -171,6 +172,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
     reader = MessageReader(channel)
     functions: dict[int, Any] = {}
     done = 0
+    _message.set_durable(True)  # results are read after this worker may have exited
     while max_tasks is None or done < max_tasks:
         try:
             data, fds = recv_message(reader)

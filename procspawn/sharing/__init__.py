@@ -21,7 +21,7 @@ daemon drops what a dead process held, and the next daemon (or ``procspawn clean
 sweeps what a tree killed whole left behind. Both kinds of message carry the segment's
 descriptor, so a message keeps its memory alive by itself, after its sender exited too.
 
-Layout: a ground floor and four rooms, each importing only from the floors below it (and
+Layout: a ground floor and five rooms, each importing only from the floors below it (and
 inside a room, from the modules listed before it on its line):
 
 ==========  =============================================================================
@@ -46,6 +46,11 @@ floor       modules
 4 channels/ ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS),
             ``_connection`` (Connection, Pipe), ``_queues``, ``_startup`` (the start-up
             message)
+5 cuda/     GPU arrays (CuPy, imported only there; ``procspawn.sharing.cuda``):
+            ``_driver`` (the CUDA driver calls CuPy lacks, ctypes), ``_slots`` (who holds
+            memory another allocator made; host only), ``_events`` (ordering),
+            ``_fd`` (the ``cuda_fd`` strategy, slabs, linger), ``_ipc`` (``cuda_ipc``),
+            ``_cupy`` (the CuPy plug-in: reducers), ``_arrays`` (the public helpers)
 ==========  =============================================================================
 
 Names are imported on first use; NumPy is imported only with the array helpers.

@@ -69,9 +69,12 @@ class Message:
 class SendState:
     """What reducers add to the message being pickled on this thread."""
 
-    __slots__ = ("fds", "fd_index", "keepalive", "owned", "memo", "on_abandon")
+    __slots__ = ("fds", "fd_index", "keepalive", "owned", "memo", "on_abandon", "durable")
 
     def __init__(self) -> None:
+        # the message may outlive its sender (a rank's result): what a sender's death
+        # would take away (device memory it allocated) must be copied (see set_durable)
+        self.durable: bool = getattr(_local, "durable", False)
         self.fds: list[int] = []
         self.fd_index: dict[int, int] = {}
         self.keepalive: list[Any] = []
@@ -125,6 +128,14 @@ class RecvState:
             if fd >= 0:
                 os.close(fd)
         self.fds = []
+
+
+def set_durable(durable: bool) -> bool:
+    """Say whether the messages this thread pickles from now on may be read after their
+    sender exited (results of ranks and pool workers); returns the previous value."""
+    previous: bool = getattr(_local, "durable", False)
+    _local.durable = durable
+    return previous
 
 
 def begin_send(state: SendState | None) -> SendState | None:

@@ -182,13 +182,15 @@ def test_results_of_ranks_that_exited_stay_valid():
     del results, array
 
 
-def test_a_consumer_sigkilled_while_holding_1_gib_gives_it_back_within_2_s():
+def _kill_a_holder_of_1_gib(make, figure):
+    """A consumer holds 1 GiB the producer made (and then dropped) and is SIGKILLed: the
+    device memory must be back within 2 s, seen by cudaMemGetInfo here."""
     free_before = _free()
     inbox, outbox = procspawn.Queue(), procspawn.Queue()
     p = procspawn.Process(target=w.hold_and_report, args=(inbox, outbox))
     p.start()
     try:
-        array = cuda.zeros(1 << 28)  # 1 GiB
+        array = make(1 << 28)  # 1 GiB of float32
         inbox.put(array)
         assert outbox.get(timeout=60)[0] == "holding"
         assert float(array[0]) == 1  # the consumer's write
@@ -199,9 +201,13 @@ def test_a_consumer_sigkilled_while_holding_1_gib_gives_it_back_within_2_s():
         while _free() < free_before - (64 << 20):
             assert time.monotonic() - killed < 2.0, "device memory not back within 2 s"
             time.sleep(0.01)
-        FIGURES["sigkill_1GiB_back_s"] = round(time.monotonic() - killed, 3)
+        FIGURES[figure] = round(time.monotonic() - killed, 3)
     finally:
         _stop(p)
+
+
+def test_a_consumer_sigkilled_while_holding_1_gib_gives_it_back_within_2_s():
+    _kill_a_holder_of_1_gib(cuda.zeros, "sigkill_1GiB_back_s")
 
 
 def test_memory_a_producer_sent_stays_valid_after_it_exited():
@@ -217,14 +223,16 @@ def test_memory_a_producer_sent_stays_valid_after_it_exited():
     del array
 
 
-def test_forwarding_producer_to_a_to_b_and_back():
+def _forward_and_come_home(make):
+    """P -> A -> B -> P: A sends on what it got, B writes 9 and sends it back; the array
+    that comes home is the producer's own memory, with B's writes."""
     q1, q2, q3 = procspawn.Queue(), procspawn.Queue(), procspawn.Queue()
     a = procspawn.Process(target=w.forward, args=(q1, q2))
     b = procspawn.Process(target=w.write_and_return, args=(q2, q3, 9.0))
     a.start()
     b.start()
     try:
-        original = cuda.zeros(3 << 20)
+        original = make(3 << 20)
         w.sync()
         q1.put(original[1:])
         back = q3.get(timeout=60)
@@ -232,7 +240,10 @@ def test_forwarding_producer_to_a_to_b_and_back():
         assert float(original[0]) == 0 and float(original[1]) == 9 and float(original[-1]) == 9
     finally:
         _stop(a, b)
-    del back, original
+
+
+def test_forwarding_producer_to_a_to_b_and_back():
+    _forward_and_come_home(cuda.zeros)
 
 
 _SPIN = r"""
@@ -295,12 +306,64 @@ def test_ten_thousand_arrays_in_flight_then_nothing_left():
         time.sleep(0.05)
 
 
-def test_unshared_arrays_are_copied_at_the_send_and_small_ones_go_by_value():
-    large = cupy.arange(1 << 20, dtype=cupy.float32)  # CuPy's pool: not shareable as it is
+@pytest.fixture
+def ipc_on():
+    """cuda_ipc on for this test (it is off by default)."""
+    cuda.set_ipc(True)
+    yield
+    cuda.set_ipc(False)
+
+
+def test_cupy_pool_arrays_go_by_ipc_handle_small_ones_by_value_and_copies_when_asked(ipc_on):
+    large = cupy.arange(1 << 20, dtype=cupy.float32)  # CuPy's pool: shared by IPC handle
     small = cupy.arange(100, dtype=cupy.float32)
+    assert cuda.is_shared(large) and not cuda.is_shared(small)
     out = procspawn.spawn(w.touch_both, args=(large, small), nprocs=1, timeout=60)[0]
     assert out == (True, True, 1.0 * ((1 << 20) - 1), 99.0)
-    assert float(large[0]) == 0 and float(small[0]) == 0  # copies: the sender's untouched
+    assert float(large[0]) == 5 and float(small[0]) == 0  # shared; the small one a copy
+    cuda.set_ipc(False)
+    assert not cuda.is_shared(large)
+    out = procspawn.spawn(w.touch_both, args=(large, small), nprocs=1, timeout=60)[0]
+    assert out == (True, True, 5.0 + ((1 << 20) - 1), 99.0)  # a cuda_fd copy arrived
+    assert float(large[0]) == 5  # the copy's writes are not the sender's
+    del large, small
+
+
+def test_a_consumer_sigkilled_holding_1_gib_of_cupy_s_pool_gives_it_back_within_2_s(ipc_on):
+    # CuPy's own pool: the block waits in the producer's limbo; its sweep (every second)
+    # sees the holder gone
+    _kill_a_holder_of_1_gib(lambda n: cupy.zeros(n, dtype=cupy.float32), "ipc_sigkill_1GiB_back_s")
+
+
+def test_cupy_pool_arrays_forwarded_come_home_and_many_in_flight_are_all_given_back(
+    monkeypatch, ipc_on
+):
+    from procspawn import _settings
+
+    _forward_and_come_home(lambda n: cupy.zeros(n, dtype=cupy.float32))
+    # 5,000 fresh arrays of CuPy's pool in flight at once, each by IPC handle
+    monkeypatch.setenv("PROCSPAWN_GPU_INLINE_BYTES", "1k")
+    _settings.reload("PROCSPAWN_GPU_INLINE_BYTES")
+    free_before = _free()
+    count = 5_000
+    inbox, outbox = procspawn.Queue(), procspawn.Queue()
+    p = procspawn.Process(target=w.hold_many, args=(inbox, outbox, count))
+    p.start()
+    try:
+        started = time.monotonic()
+        for i in range(count):
+            array = cupy.full(1024, i, dtype=cupy.float32)  # 4 KiB each
+            inbox.put(array)
+        del array
+        n, total = outbox.get(timeout=90)
+        FIGURES["ipc_5000_in_flight_s"] = round(time.monotonic() - started, 3)
+        assert n == count and total == sum(range(count))
+    finally:
+        _stop(p)
+    deadline = time.monotonic() + 5
+    while _free() < free_before - (64 << 20):  # (the producer's sweep, every second)
+        assert time.monotonic() < deadline, "memory not given back after 5,000 arrays"
+        time.sleep(0.05)
 
 
 def test_a_torch_cuda_tensor_still_goes_by_torch_s_own_sharing():

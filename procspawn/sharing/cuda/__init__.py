@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._arrays import collect as collect
     from ._arrays import empty as empty
     from ._arrays import is_shared as is_shared
+    from ._arrays import set_ipc as set_ipc
     from ._arrays import share_memory_ as share_memory_
     from ._arrays import zeros as zeros
 
@@ -36,6 +37,7 @@ _LAZY = {
     "collect": "._arrays",
     "empty": "._arrays",
     "is_shared": "._arrays",
+    "set_ipc": "._arrays",
     "share_memory_": "._arrays",
     "zeros": "._arrays",
 }

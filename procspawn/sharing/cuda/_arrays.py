@@ -9,7 +9,7 @@ import cupy
 import numpy as np
 
 from ..segments import _arrays as _host_arrays
-from . import _cupy, _fd
+from . import _cupy, _fd, _ipc, _slots
 
 _T = TypeVar("_T")
 
@@ -146,25 +146,46 @@ def share_memory_(obj: _T) -> _T:
 
 
 def collect() -> int:
-    """Give back, now, the shareable device memory of arrays this process can no longer
-    reach, and say how much it still maps.
+    """Give back, now, the device memory this process no longer needs, and say how much
+    of what it shares it still maps.
 
-    A shareable block is unmapped as soon as the last array over it goes, but for two
-    cases, which this ends: a block received from another process stays mapped for
-    ``PROCSPAWN_GPU_LINGER`` seconds after each receipt (receiving it again then costs no
-    new mapping), and arrays caught in reference cycles wait for Python's garbage
-    collector, which this runs.
+    What it gives back: the mappings of memory received from other processes that only
+    the linger keeps (``PROCSPAWN_GPU_LINGER``), arrays caught in reference cycles
+    (Python's garbage collector runs), and, of this process' own CuPy memory sent by CUDA
+    IPC, what no receiver holds any more: the memory of receivers that exited or were
+    killed included (``torch.cuda.ipc_collect``'s job; a sweep also runs every second).
 
     Returns:
-        The bytes of shareable device memory this process still maps (made here or
-        received, held by live arrays).
+        The bytes of device memory this process maps for sharing (cuda_fd memory made
+        here or received, allocations received by cuda_ipc) after the collection.
     """
     _fd.release_lingering()
     gc.collect()
-    return _fd.held()
+    _slots.sweep()
+    return _fd.held() + _ipc.opened_bytes()
 
 
 def is_shared(array: Any) -> bool:
     """Whether a CuPy array lies in shareable device memory (it is sent as the same
     memory, not copied); False for anything else."""
     return _cupy.is_shared(array)
+
+
+def set_ipc(enabled: bool) -> None:
+    """Share GPU arrays of CuPy's pool (any ``cudaMalloc`` memory) by CUDA IPC handle, or
+    copy them into shareable memory at each send (the default).
+
+    Off (unless ``PROCSPAWN_GPU_IPC=1``), such an array is copied into ``cuda_fd`` memory
+    at the send, as a NumPy array outside shared memory is copied into a segment: the
+    receiver's writes reach the copy. On (``cuda_ipc``), it is sent as the same memory:
+    the receiver's writes are seen, and the memory stays allocated in this process while a
+    receiver holds it (a receiver that dies gives it back within a second). It lives only
+    as long as this process, so results of ranks and workers, read after they may have
+    exited, are copied anyway. ``cuda_ipc`` has its tests (tests/gpu) but has not yet run
+    on a GPU: it is off until it has.
+
+    Args:
+        enabled: True to share by IPC handle, False to copy; for this process (children
+            read ``PROCSPAWN_GPU_IPC``).
+    """
+    _cupy.set_ipc(enabled)

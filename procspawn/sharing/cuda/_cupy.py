@@ -25,9 +25,10 @@ import cupy
 import numpy as np
 
 from ... import _settings
-from .. import _registry
+from .. import _message, _registry
+from ..segments._segment import Segment
 from ..wire import _handles
-from . import _driver, _events, _fd
+from . import _driver, _events, _fd, _ipc, _slots
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a worker's start)
 if TYPE_CHECKING:
@@ -35,14 +36,15 @@ if TYPE_CHECKING:
 
 
 def _array_over(
-    segment: _fd.DeviceSegment, offset: int, shape: Any, strides: Any, dtype: Any
+    segment: _fd.DeviceMemory, offset: int, shape: Any, strides: Any, dtype: Any
 ) -> Any:
     memory = cupy.cuda.UnownedMemory(segment.address, segment.size, segment, segment.device)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, offset), strides)
 
 
-def shared_place(array: Any) -> tuple[_fd.DeviceSegment, int] | None:
-    """The cuda_fd segment ``array``'s memory lies in, with the byte offset, or None."""
+def shared_place(array: Any) -> tuple[Segment, int] | None:
+    """The device segment of this process ``array``'s memory lies in (cuda_fd, or
+    received by cuda_ipc), with the byte offset, or None."""
     return _fd.segment_at(array.data.ptr, array.device.id)
 
 
@@ -65,15 +67,46 @@ def copy_to_shared(array: Any) -> Any:
     return out
 
 
+_ipc_on: bool | None = None  # set_ipc's choice; None: PROCSPAWN_GPU_IPC
+
+
+def set_ipc(enabled: bool) -> None:
+    """Turn ``cuda_ipc`` on or off in this process (see ``sharing.cuda.set_ipc``)."""
+    global _ipc_on
+    _ipc_on = bool(enabled)
+
+
+def ipc_enabled() -> bool:
+    return _settings.get("PROCSPAWN_GPU_IPC") if _ipc_on is None else _ipc_on
+
+
+def _own_place(array: Any, durable: bool) -> tuple[Segment, int] | None:
+    """This process' own allocation ``array`` lies in, to send by IPC handle (cuda_ipc on,
+    in a message that does not outlive this process), with the offset; None: copy it."""
+    if durable or not ipc_enabled():
+        return None
+    return _ipc.own_segment(array.data.ptr, array.device.id)
+
+
 def _reduce_cupy(array: Any) -> Any:
     if array.size == 0:
         return array.__reduce__()
     device = array.device.id
     with cupy.cuda.Device(device):
         place = shared_place(array)
+        if place is None and array.nbytes < _settings.get("PROCSPAWN_GPU_INLINE_BYTES"):
+            return (_rebuild_by_value, (array.get(), _fd.device_uuid(device)))
+        handle = None
+        with _slots.lock():  # (a sweep between keep and the slot's take would drop it)
+            if place is None:
+                place = _own_place(array, _message.sending().durable)
+                if place is not None:  # this process' own memory, by IPC handle
+                    own = place[0]
+                    assert isinstance(own, _ipc.IpcSegment)
+                    own.block = _slots.keep(own.key, array.data.mem)
+            if place is not None:
+                handle = _handles.segment_handle(place[0])  # (takes the slot)
         if place is None:
-            if array.nbytes < _settings.get("PROCSPAWN_GPU_INLINE_BYTES"):
-                return (_rebuild_by_value, (array.get(), _fd.device_uuid(device)))
             try:
                 array = copy_to_shared(array)
             except _driver.CudaError:
@@ -82,18 +115,11 @@ def _reduce_cupy(array: Any) -> Any:
                 return (_rebuild_by_value, (array.get(), _fd.device_uuid(device)))
             place = shared_place(array)
             assert place is not None
-        segment, offset = place
+            handle = _handles.segment_handle(place[0])
         sent = _events.record(device)
         return (
             _rebuild_cupy,
-            (
-                _handles.segment_handle(segment),
-                offset,
-                array.shape,
-                array.strides,
-                array.dtype.str,
-                sent,
-            ),
+            (handle, place[1], array.shape, array.strides, array.dtype.str, sent),
         )
 
 
@@ -106,7 +132,7 @@ def _rebuild_cupy(
     sent: tuple[int, bytes] | None,
 ) -> Any:
     segment = _handles.segment_from_handle(handle)
-    assert isinstance(segment, _fd.DeviceSegment)
+    assert isinstance(segment, _fd.DeviceMemory)
     with cupy.cuda.Device(segment.device):
         _events.wait(sent, segment.device)
         return _array_over(segment, offset, shape, strides, np.dtype(dtype))
@@ -122,8 +148,16 @@ def _rebuild_by_value(host: np.ndarray, uuid: bytes) -> Any:
 
 
 def is_shared(array: Any) -> bool:
-    """Whether a CuPy array lies in shareable memory (sent as the same memory)."""
-    return isinstance(array, cupy.ndarray) and array.size > 0 and shared_place(array) is not None
+    """Whether a CuPy array is sent as the same memory: it lies in cuda_fd memory or came
+    by cuda_ipc, or (cuda_ipc on) it lies in memory IPC can export and is not small."""
+    if not isinstance(array, cupy.ndarray) or array.size == 0:
+        return False
+    with cupy.cuda.Device(array.device.id):
+        if shared_place(array) is not None:
+            return True
+        if array.nbytes < _settings.get("PROCSPAWN_GPU_INLINE_BYTES") or not ipc_enabled():
+            return False
+        return _ipc.own_segment(array.data.ptr, array.device.id) is not None
 
 
 _registry.register(cupy.ndarray, _reduce_cupy)

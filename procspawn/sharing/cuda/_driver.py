@@ -27,6 +27,9 @@ _ACCESS_READWRITE = 3
 _GRANULARITY_RECOMMENDED = 1
 _ATTRIBUTE_VMM_SUPPORTED = 102
 _ATTRIBUTE_POSIX_FD_SUPPORTED = 103
+_POINTER_IS_LEGACY_IPC_CAPABLE = 10
+_POINTER_RANGE_START = 11
+_POINTER_RANGE_SIZE = 12
 
 
 class _Location(ctypes.Structure):
@@ -78,6 +81,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemUnmap": [_u64, _size],
     "cuMemAddressFree": [_u64, _size],
     "cuMemRelease": [_u64],
+    "cuPointerGetAttribute": [_ptr, ctypes.c_int, _u64],
 }
 
 _lib: Any = None
@@ -222,3 +226,22 @@ def release(handle: int) -> None:
     lib = _lib
     if lib is not None:
         lib.cuMemRelease(handle)
+
+
+def allocation_of(pointer: int) -> tuple[int, int, bool]:
+    """``(base, size, legacy IPC capable)`` of the allocation ``pointer`` lies in: its
+    ``cudaMalloc`` block, whose IPC handle opens at the base (an array of CuPy's pool may
+    sit at an offset in it). Not capable: managed memory, stream-ordered pools, VMM."""
+    lib = _load()
+    capable = ctypes.c_int(0)
+    start = _u64()
+    size = _size()
+    doing = "finding the allocation a GPU array lies in"
+    for attribute, out in (
+        (_POINTER_IS_LEGACY_IPC_CAPABLE, capable),
+        (_POINTER_RANGE_START, start),
+        (_POINTER_RANGE_SIZE, size),
+    ):
+        status = lib.cuPointerGetAttribute(ctypes.byref(out), attribute, pointer)
+        _check(status, "cuPointerGetAttribute", doing)
+    return int(start.value), int(size.value), bool(capable.value)

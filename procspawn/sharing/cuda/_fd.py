@@ -48,8 +48,9 @@ _ALIGN = 512  # as CuPy's pool aligns its chunks
 
 _lock = threading.Lock()
 renew_lock_in_child(globals())
-# device -> sorted start addresses, and start -> (end, weak reference) of every live
-# DeviceSegment of this process: which segment an array's pointer lies in
+# device -> sorted start addresses, and (device, start) -> (end, weak reference) of every
+# live device segment of this process (cuda_fd, and cuda_ipc received): which segment an
+# array's pointer lies in
 _starts: dict[int, list[int]] = {}
 _ranges: dict[tuple[int, int], tuple[int, weakref.ref[Any]]] = {}
 _uuids: list[bytes] = []  # device ordinal of this process -> its UUID
@@ -83,22 +84,19 @@ def device_of(uuid: bytes) -> int:
         ) from None
 
 
-class DeviceSegment(Segment):
-    """A mapping of shareable device memory in this process (see the module's text).
-
-    ``address`` is a device address on ``device`` (an ordinal of this process); ``uuid``
-    names the GPU across processes; ``fd`` is the exported descriptor, which it keeps.
-    """
+class DeviceMemory(Segment):
+    """A device segment: a ``Segment`` whose address is a device address on ``device``
+    (an ordinal of this process); ``uuid`` names that GPU across processes."""
 
     __slots__ = ("device", "uuid")
 
-    def __init__(self, *, address: int, size: int, key: Any, fd: int, device: int) -> None:
-        # Segment.__init__ maps host memory: a DeviceSegment sets its fields itself
+    def _fields(self, *, address: int, size: int, strategy: str, key: Any, device: int) -> None:
+        # Segment.__init__ maps host memory: a device segment sets the fields itself
         self.address = address
         self.size = size
-        self.strategy = NAME
+        self.strategy = strategy
         self.key = key
-        self.fd = fd
+        self.fd = -1
         self.name = None
         self.view = None
         self.reused = False
@@ -106,12 +104,21 @@ class DeviceSegment(Segment):
         self.header = 0
         self.device = device
         self.uuid = device_uuid(device)
+
+
+class DeviceSegment(DeviceMemory):
+    """A mapping of ``cuda_fd`` memory in this process (see the module's text); ``fd`` is
+    the exported descriptor, which it keeps."""
+
+    __slots__ = ()
+
+    def __init__(self, *, address: int, size: int, key: Any, fd: int, device: int) -> None:
+        self._fields(address=address, size=size, strategy=NAME, key=key, device=device)
+        self.fd = fd
         self._finalizer = weakref.ref(self, _released)
         with _lock:
-            starts = _starts.setdefault(device, [])
-            bisect.insort(starts, address)
-            _ranges[(device, address)] = (address + size, self._finalizer)
             _live[self._finalizer] = (device, address, size, fd, os.getpid())
+        track(self, self._finalizer)
 
     def __repr__(self) -> str:
         return f"<procspawn DeviceSegment cuda_fd GPU {self.device} size={self.size}>"
@@ -129,11 +136,7 @@ def _released(ref: weakref.ref[Any]) -> None:
         if entry is None:
             return
         device, address, size, fd, pid = entry
-        starts = _starts.get(device, [])
-        index = bisect.bisect_left(starts, address)
-        if index < len(starts) and starts[index] == address:
-            del starts[index]
-        _ranges.pop((device, address), None)
+    untrack(device, address, ref)
     if pid != os.getpid():  # a forked child that merely inherited it
         return
     try:
@@ -151,9 +154,33 @@ def held() -> int:
         return sum(entry[2] for entry in _live.values() if entry[4] == os.getpid())
 
 
-def segment_at(pointer: int, device: int) -> tuple[DeviceSegment, int] | None:
-    """The live DeviceSegment of this process that ``pointer`` lies in, with the offset,
-    or None."""
+def track(segment: Segment, ref: weakref.ref[Any]) -> None:
+    """Let ``segment_at`` find the device segment ``segment`` (``ref`` is its weak
+    reference; ``untrack`` with it when it goes)."""
+    device = segment.device  # type: ignore[attr-defined]
+    with _lock:
+        starts = _starts.setdefault(device, [])
+        if (device, segment.address) not in _ranges:
+            bisect.insort(starts, segment.address)
+        _ranges[(device, segment.address)] = (segment.address + segment.size, ref)
+
+
+def untrack(device: int, address: int, ref: weakref.ref[Any]) -> None:
+    """Forget the device segment at ``address`` if ``ref`` is still the one there."""
+    with _lock:
+        entry = _ranges.get((device, address))
+        if entry is None or entry[1] is not ref:
+            return
+        del _ranges[(device, address)]
+        starts = _starts.get(device, [])
+        index = bisect.bisect_left(starts, address)
+        if index < len(starts) and starts[index] == address:
+            del starts[index]
+
+
+def segment_at(pointer: int, device: int) -> tuple[Segment, int] | None:
+    """The live device segment of this process (made here or received) that ``pointer``
+    lies in, with the offset, or None."""
     with _lock:
         starts = _starts.get(device)
         if not starts:
@@ -271,7 +298,8 @@ def strategy() -> SharingStrategy:
 # memory kept on purpose, bounded in time, given back by ``release_lingering()``
 # (``sharing.cuda.collect()``).
 
-_lingering: dict[Any, tuple[DeviceSegment, float]] = {}  # key -> (segment, deadline)
+# (strategy, key) -> (segment, deadline)
+_lingering: dict[tuple[str, Any], tuple[Segment, float]] = {}
 _wake = threading.Condition(threading.Lock())
 _keeper: threading.Thread | None = None
 
@@ -282,9 +310,8 @@ def linger(segment: Segment) -> None:
     seconds = _settings.get("PROCSPAWN_GPU_LINGER")
     if seconds <= 0:
         return
-    assert isinstance(segment, DeviceSegment)
     with _wake:
-        _lingering[segment.key] = (segment, time.monotonic() + seconds)
+        _lingering[(segment.strategy, segment.key)] = (segment, time.monotonic() + seconds)
         if _keeper is None or not _keeper.is_alive():
             _keeper = threading.Thread(target=_keep, name="procspawn-gpu-linger", daemon=True)
             _keeper.start()

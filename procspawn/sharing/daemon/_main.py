@@ -82,16 +82,6 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
-def _start_time(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
 def _raise_fd_limit() -> None:
     import resource  # the daemon only
 
@@ -108,13 +98,13 @@ class _Client:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self.started = _start_time(pid)
+        self.started = table.start_time(pid)
         self.buf = bytearray()
         self.holds: set[str] = set()
         self.out = b""  # the rest of an answer to "L"
 
     def alive(self) -> bool:
-        return self.started is not None and _start_time(self.pid) == self.started
+        return self.started is not None and table.start_time(self.pid) == self.started
 
 
 _CHECK = 1.0  # seconds between looks: messages that no longer exist, exits without pidfd

@@ -19,6 +19,18 @@ import time
 from collections.abc import Callable, Set
 from typing import TypeVar
 
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None if it is gone or a zombie: a
+    pid and its start time name one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
 SHM_DIR = "/dev/shm"
 PREFIX = "procspawn_"
 NAME_RE = re.compile(r"procspawn_([0-9]{1,10})_[0-9a-f]{16}")

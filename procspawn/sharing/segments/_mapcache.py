@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     from typing import Any
 
 _cache: dict[tuple[str, Any], weakref.ref[Segment]] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # (a rebuild may rebuild a segment its handle names)
 _SWEEP = 4096
 _sweep_at = _SWEEP
 
 
-def lock() -> threading.Lock:
+def lock() -> threading.RLock:
     """Hold it around a ``cached`` / rebuild / ``remember`` sequence."""
     return _lock
 
@@ -51,7 +51,7 @@ def _reset_after_fork() -> None:
     # The child took no references of its own to the parent's segments; it maps anew.
     global _cache, _lock, _sweep_at
     _cache = {}
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _sweep_at = _SWEEP
 
 

@@ -182,7 +182,10 @@ if sys.platform.startswith("linux") and hasattr(os, "memfd_create"):
     BUILTIN["file_descriptor"] = ("._file_descriptor", "FileDescriptorStrategy")
 # Strategies for device memory: the arrays' own plug-in picks them (never the default, nor
 # set_sharing_strategy's choice: a NumPy array has no device memory to put there)
-DEVICE: dict[str, tuple[str, str]] = {"cuda_fd": ("..cuda._fd", "CudaFdStrategy")}
+DEVICE: dict[str, tuple[str, str]] = {
+    "cuda_fd": ("..cuda._fd", "CudaFdStrategy"),
+    "cuda_ipc": ("..cuda._ipc", "CudaIpcStrategy"),
+}
 
 
 def built_in(name: str) -> bool:

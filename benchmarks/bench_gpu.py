@@ -4,10 +4,15 @@
 Rows:
 - an already-shared array sent again and again to a consumer, which adds 1 in place,
   synchronises and acks (4 KiB, 64 MiB, 1 GiB): time per message;
-- a fresh 64 MiB array each message (CuPy's default pool: copied into shareable memory
-  at the send; torch: a fresh tensor from its caching allocator);
-- a consumer SIGKILLed while it holds 1 GiB that the producer dropped: seconds until the
-  device memory is back (torch: after ``ipc_collect`` and ``empty_cache``), 5 s at most.
+- an array of CuPy's pool sent again and again (cuda_ipc; torch: its tensor again);
+- a fresh 64 MiB array each message (CuPy's pool, by IPC handle; then copied into
+  cuda_fd memory with ``set_ipc(False)``; torch: a fresh tensor from its caching allocator);
+- a consumer SIGKILLed while it holds 1 GiB of CuPy's pool that the producer dropped:
+  seconds until the device memory is back (torch: after ``ipc_collect`` and
+  ``empty_cache``), 5 s at most.
+
+Both consumers run the same CuPy kernel (torch's tensor through DLPack), so the rows
+compare the sharing, not two libraries' kernels.
 
 Usage: ``python benchmarks/bench_gpu.py [--repeats N] [--json F]`` on a machine with a GPU,
 CuPy and (for the torch column) torch. Run it alone.
@@ -50,6 +55,7 @@ def _cupy_consumer(inbox, outbox):
 
 
 def _torch_consumer(inbox, outbox):
+    import cupy
     import torch
 
     while True:
@@ -63,10 +69,11 @@ def _torch_consumer(inbox, outbox):
             outbox.put(1)
             time.sleep(600)
             return
-        tensor.add_(1)
-        torch.cuda.synchronize()
+        array = cupy.from_dlpack(tensor)  # the same kernel as procspawn's consumer runs
+        array += 1
+        cupy.cuda.get_current_stream().synchronize()
         outbox.put(1)
-        del tensor
+        del tensor, array
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -104,14 +111,28 @@ def _procspawn_rows(repeats: int) -> dict[str, float]:
                 inbox.put, lambda: outbox.get(timeout=60), lambda a=array: a, repeats
             )
             del array
+        cuda.set_ipc(True)  # (off by default: not yet run on a GPU)
+        pooled = cupy.zeros((64 << 20) // 4, dtype=cupy.float32)
+        rows["CuPy pool 64 MiB, same array"] = _per_message(
+            inbox.put, lambda: outbox.get(timeout=60), lambda p=pooled: p, repeats
+        )
+        del pooled
         rows["fresh 64 MiB"] = _per_message(
             inbox.put,
             lambda: outbox.get(timeout=60),
             lambda: cupy.ones((64 << 20) // 4, dtype=cupy.float32),
             repeats,
         )
+        cuda.set_ipc(False)
+        rows["fresh 64 MiB, copied (set_ipc(False))"] = _per_message(
+            inbox.put,
+            lambda: outbox.get(timeout=60),
+            lambda: cupy.ones((64 << 20) // 4, dtype=cupy.float32),
+            repeats,
+        )
+        cuda.set_ipc(True)
         rows["SIGKILL 1 GiB back (s)"] = _kill_while_holding(
-            lambda: cuda.zeros(1 << 28), inbox, outbox, p.pid, _cupy_free
+            lambda: cupy.zeros(1 << 28, dtype=cupy.float32), inbox, outbox, p.pid, _cupy_free
         )
     finally:
         _stop(p, inbox)
@@ -158,6 +179,11 @@ def _torch_rows(repeats: int) -> dict[str, float]:
                 inbox.put, lambda: outbox.get(timeout=60), lambda t=tensor: t, repeats
             )
             del tensor
+        pooled = torch.zeros((64 << 20) // 4, device="cuda")
+        rows["CuPy pool 64 MiB, same array"] = _per_message(
+            inbox.put, lambda: outbox.get(timeout=60), lambda p=pooled: p, repeats
+        )
+        del pooled
         rows["fresh 64 MiB"] = _per_message(
             inbox.put,
             lambda: outbox.get(timeout=60),
@@ -213,7 +239,10 @@ def main() -> int:
     print("| case | procspawn | torch.multiprocessing | ratio |")
     print("|---|---|---|---|")
     for row in rows:
-        ours, theirs = results["procspawn"][row], results["torch"].get(row)
+        ours, theirs = (
+            results["procspawn"][row],
+            results["torch"].get(row, results["torch"].get(row.split(",")[0])),
+        )
         scale = 1 if row.endswith("(s)") else 1000
         theirs_text = "—" if theirs is None else f"{theirs * scale:.3f}"
         ratio = "—" if not theirs or theirs == float("inf") else f"{ours / theirs:.2f}×"

@@ -76,6 +76,14 @@ def python_blocks() -> list:
     return params
 
 
+def _needs_a_gpu(code: str) -> bool:
+    """A block that uses CuPy, where there is no CuPy or no NVIDIA device (asked without
+    starting CUDA in this process, whose later tests fork)."""
+    if "import cupy" not in code:
+        return False
+    return importlib.util.find_spec("cupy") is None or not os.path.exists("/dev/nvidiactl")
+
+
 def _run_block(code: str, folder: str) -> subprocess.CompletedProcess:
     script = os.path.join(folder, "example.py")
     with open(script, "w", encoding="utf-8") as f:
@@ -104,6 +112,8 @@ def block_runs(tmp_path_factory):
             name, line, code = param.values
             if 'backend="ray"' in code and importlib.util.find_spec("ray") is None:
                 continue
+            if _needs_a_gpu(code):
+                continue
             folder = str(tmp_path_factory.mktemp("block"))
             runs[param.id] = threads.submit(_run_block, code, folder)
     return {key: future.result() for key, future in runs.items()}
@@ -114,6 +124,8 @@ def block_runs(tmp_path_factory):
 def test_python_block_runs(name, line, code, block_runs, request):
     if 'backend="ray"' in code and importlib.util.find_spec("ray") is None:
         pytest.skip("Ray is not installed (pip install 'procspawn[ray]')")
+    if _needs_a_gpu(code):
+        pytest.skip("the block needs CuPy and a GPU, which this machine lacks")
     result = block_runs[request.node.callspec.id]
     assert result.returncode == 0, (
         f"the python block at {name}:{line} exited {result.returncode}\n"

@@ -22,6 +22,7 @@ import multiprocessing.context as mpc
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
+from . import _settings
 from .context.launch._cuda_guard import refuse_fork
 from .context.launch._start_method import get_start_method, set_start_method
 from .sharing.channels._connection import Pipe as _Pipe
@@ -97,7 +98,9 @@ class _ProcessMixin:
                 argument cannot be sent to another process.
             TypeError: (likewise) an argument's type cannot be pickled at all.
             AssertionError: the process was started already, as the stdlib's.
+            SettingError: a ``PROCSPAWN_*`` variable has a value procspawn cannot use.
         """
+        _settings.check_all()  # a bad PROCSPAWN_* variable: its SettingError, first
         calls: list[_Call] = []
         self._procspawn_calls = calls  # filled by __getstate__ if the process is pickled
         try:

@@ -270,10 +270,49 @@ def get(name: str) -> Any:
         return _values.setdefault(name, value)
 
 
+_all_checked = False
+
+
+def check_all() -> None:
+    """Read every setting now, once per process (until ``reload``): the calls that start
+    processes or send a message call it first, so a bad variable fails any of them with
+    its own ``SettingError``, whatever the data (not only the call that would read it).
+
+    Raises:
+        SettingError: the first variable set to something its type does not accept.
+    """
+    global _all_checked
+    if _all_checked:
+        return
+    for name in SETTINGS:
+        get(name)
+    _all_checked = True
+
+
+def report() -> list[dict[str, Any]]:
+    """Every setting as it stands, for ``procspawn info``: its name, the variable's text
+    (None when unset), the value in effect, and the error of a bad one (which leaves the
+    default in effect until the call that reads it fails). Reads without keeping."""
+    rows = []
+    for setting in SETTINGS.values():
+        text = os.environ.get(setting.name, "")
+        for old in setting.old_names:
+            text = text or os.environ.get(old, "")
+        row: dict[str, Any] = {"name": setting.name, "text": text or None, "error": None}
+        try:
+            row["value"] = setting.default if text == "" else setting.parse(text)
+        except SettingError as exc:
+            row["value"], row["error"] = setting.default, str(exc)
+        rows.append(row)
+    return rows
+
+
 def reload(*names: str) -> None:
     """Read ``names`` (default: all) again at next use: for a program (or test) that
     changes its own environment after procspawn read it."""
+    global _all_checked
     with _lock:
+        _all_checked = False
         for name in names or list(_values):
             _values.pop(name, None)
 

@@ -216,7 +216,7 @@ def _memfds() -> dict[str, Any]:
 
 
 def info() -> dict[str, Any]:
-    from . import get_all_sharing_strategies, get_sharing_strategy
+    from . import get_all_sharing_strategies, get_sharing_strategy, get_start_method
     from .sharing.segments import _recycled
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -226,23 +226,43 @@ def info() -> dict[str, Any]:
         shm.update(size=st.f_blocks * st.f_frsize, free=st.f_bavail * st.f_frsize)
     except OSError:
         shm.update(size=None, free=None)
+    settings = _settings.report()
+    start_method, strategy = _or_error(get_start_method), _or_error(get_sharing_strategy)
+    chosen = {"PROCSPAWN_START_METHOD": start_method, "PROCSPAWN_SHARING_STRATEGY": strategy}
+    for row in settings:  # a name the variable's type accepts, that names nothing
+        read = str(chosen.get(row["name"], ""))
+        if row["text"] is not None and read.startswith("error: ") and not row["error"]:
+            row["error"] = read[len("error: ") :]
+    bad = [row for row in settings if row["error"]]
     return {
         "version": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "default_strategy": get_sharing_strategy(),
+        "start_method": start_method,
+        "default_strategy": strategy,
         "strategies": sorted(get_all_sharing_strategies()),
+        "settings": settings,
+        "bad_settings": [row["name"] for row in bad],
         "dev_shm": shm,
         "rlimit_nofile": {"soft": soft, "hard": hard},
         "daemons": _daemons(),
         "segments": _segments(),
         "memfd": _memfds(),
         "recycled": {
-            "limit": _recycled.limit(),
-            "set": _settings.get("PROCSPAWN_POOL_BYTES") is not None,
-            "idle": _recycled.idle(),
+            "limit": _or_error(_recycled.limit),
+            "set": any(r["name"] == "PROCSPAWN_POOL_BYTES" and r["text"] for r in settings),
+            "idle": _or_error(_recycled.idle),
         },
     }
+
+
+def _or_error(read: Any) -> Any:
+    """What ``read()`` gives, or ``"error: ..."`` when a setting it reads is bad (info shows
+    every setting, the bad ones flagged, instead of failing on the first)."""
+    try:
+        return read()
+    except ValueError as exc:  # SettingError, or an unknown name
+        return f"error: {exc}"
 
 
 def cleanup(dry_run: bool) -> dict[str, Any]:
@@ -294,9 +314,16 @@ def _size(n: int | None) -> str:
 
 def _print_info(data: dict[str, Any]) -> None:
     print(f"procspawn {data['version']} on Python {data['python']}, {data['platform']}")
+    print(f"start method: {data['start_method']}")
     print(
         f"sharing strategy: {data['default_strategy']} (available: {', '.join(data['strategies'])})"
     )
+    print("settings (PROCSPAWN_*; unset: the default):")
+    for row in data["settings"]:
+        shown = "unset" if row["text"] is None else repr(row["text"])
+        value = f" = {row['value']}" if row["value"] is not None else ""
+        flag = f"   <- BAD: {row['error']}" if row["error"] else ""
+        print(f"  {row['name']}: {shown}{value}{flag}")
     shm = data["dev_shm"]
     print(f"{shm['path']}: {_size(shm['free'])} free of {_size(shm['size'])}")
     lim = data["rlimit_nofile"]
@@ -329,6 +356,9 @@ def _print_info(data: dict[str, Any]) -> None:
             f"{_mib(p['bytes'])}{unmapped}{recycled}"
         )
     cache = data["recycled"]
+    if isinstance(cache["limit"], str) or isinstance(cache["idle"], str):
+        print(f"recycled segments: {cache['limit']}")
+        return
     print(
         f"recycled segments: up to {_mib(cache['limit'])} per process "
         f"(PROCSPAWN_POOL_BYTES{'' if cache['set'] else ', default'}; file_system segments "
@@ -379,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         data = info()
         print(json.dumps(data, indent=2)) if args.json else _print_info(data)
-        return 0
+        return 1 if data["bad_settings"] else 0
     data = cleanup(args.dry_run)
     print(json.dumps(data, indent=2)) if args.json else _print_cleanup(data)
     return 1 if data["failed"] else 0

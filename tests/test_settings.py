@@ -145,3 +145,67 @@ def test_a_size_with_a_unit_works_end_to_end():
     result = run_script(code, env_extra={"PROCSPAWN_INLINE_BYTES": "10k"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[(False, True)]"
+
+
+def test_a_bad_value_is_its_own_error_from_every_call_that_starts_or_sends():
+    code = textwrap.dedent(
+        """
+        import numpy as np
+        import procspawn as mp
+        from procspawn import sharing
+
+        def rank(rank, *args):
+            return rank
+
+        calls = {
+            "spawn(array)": lambda: mp.spawn(rank, args=(np.ones(100_000),), timeout=30),
+            "spawn(shared)": lambda: mp.spawn(rank, args=(np.zeros(3),), timeout=30),
+            "spawn()": lambda: mp.spawn(rank, timeout=30),
+            "Pool": lambda: mp.Pool(2),
+            "ProcessPoolExecutor": lambda: mp.ProcessPoolExecutor(2),
+            "Process.start": lambda: mp.Process(target=print).start(),
+            "Queue.put": lambda: mp.SimpleQueue().put({"plain": 1}),
+            "Pipe.send": lambda: mp.Pipe()[0].send("plain"),
+        }
+        if __name__ == "__main__":
+            for name, call in calls.items():
+                try:
+                    call()
+                    print(name, "no error")
+                except mp.SettingError as exc:
+                    print(name, "SettingError", str(exc).split(" is ")[0])
+                except Exception as exc:
+                    print(name, type(exc).__name__, exc)
+        """
+    )
+    result = run_script(code, env_extra={"PROCSPAWN_GRACE_PERIOD": "soon"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 8, result.stdout
+    for line in lines:
+        assert line.endswith("SettingError PROCSPAWN_GRACE_PERIOD='soon'"), line
+
+
+def test_info_shows_every_setting_in_effect_and_flags_a_bad_one():
+    import subprocess
+    import sys
+
+    from _helpers import script_env
+
+    env = {**script_env(), "PROCSPAWN_INLINE_BYTES": "lots", "PROCSPAWN_START_METHOD": "spawn"}
+    result = subprocess.run(
+        [sys.executable, "-m", "procspawn", "info"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env=env,
+    )
+    assert result.returncode == 1, result.stderr  # something to fix
+    text = result.stdout
+    assert "start method: spawn" in text
+    assert "sharing strategy: file_descriptor" in text
+    for name in SETTINGS:
+        assert f"  {name}: " in text
+    bad = [line for line in text.splitlines() if "<- BAD" in line]
+    assert len(bad) == 1 and bad[0].startswith("  PROCSPAWN_INLINE_BYTES: 'lots'"), bad
+    assert "  PROCSPAWN_START_METHOD: 'spawn' = spawn\n" in text

@@ -26,7 +26,9 @@ from collections.abc import Callable, Mapping
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
+from .. import _settings
 from .._output import OutputForwarder
+from .._settings import SettingError
 from ..sharing.channels._startup import StartupMessage
 from ..sharing.wire import _pickler
 from . import _worker
@@ -110,6 +112,8 @@ def _pickle_payload(
     deferred: list[Any] = []
     try:
         message = _pickler.dumps((fn, args, kwargs, config), deferred=deferred)
+    except SettingError:
+        raise  # a bad PROCSPAWN_* variable, not the user's data
     except Exception as exc:
         _raise_pickling_error(fn, args, kwargs, exc)
     return StartupMessage(message, deferred)
@@ -289,6 +293,7 @@ def start_processes(
         raise ValueError(f"unknown backend {backend!r}; use 'process' (default) or 'ray'")
     if ray_address is not None:
         raise ValueError("ray_address applies to backend='ray' only")
+    _settings.check_all()  # a bad PROCSPAWN_* variable: its SettingError, before anything
     if start_method is None:
         start_method = get_start_method()
     args, kwargs = _check(fn, args, kwargs, nprocs, start_method, join, timeout, grace_period)

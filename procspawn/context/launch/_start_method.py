@@ -37,7 +37,8 @@ def default_start_method() -> str:
 def _check(method: object, where: str) -> str:
     methods = multiprocessing.get_all_start_methods()
     if method not in methods:
-        raise ValueError(
+        error = _settings.SettingError if where else ValueError  # (the variable's, or not)
+        raise error(
             f"{where}{method!r} is not a start method of this platform; "
             f"use one of: {', '.join(methods)}"
         )
@@ -95,7 +96,9 @@ def set_start_method(method: str | None, force: bool = False) -> None:
 def start_method_of(context: str | BaseContext | None) -> str:
     """The start method a pool's ``context`` argument names: a multiprocessing context
     (procspawn's or the stdlib's), a method name, or None (procspawn's default,
-    ``get_start_method()``)."""
+    ``get_start_method()``). Every setting is checked first (the pools' constructors
+    come here)."""
+    _settings.check_all()
     if context is None:
         method = get_start_method()
         if method == "fork":

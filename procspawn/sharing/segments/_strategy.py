@@ -250,7 +250,7 @@ def _default() -> str:
     name: str | None = _settings.get(_ENV)
     if name:
         if name not in get_all_sharing_strategies():
-            raise ValueError(
+            raise _settings.SettingError(
                 f"{_ENV}={name!r} is not a sharing strategy; valid: "
                 f"{', '.join(sorted(get_all_sharing_strategies()))}"
             )

@@ -28,6 +28,7 @@ from collections import ChainMap
 from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.reduction import ForkingPickler
 
+from ... import _settings
 from ..._late import late_import
 from .. import _registry
 from .._message import Message, RecvState, SendState, begin_receive, begin_send
@@ -352,6 +353,7 @@ def dumps(obj: object, deferred: list[object] | None = None) -> Message:
         # ... send message.data and message.fds (SCM_RIGHTS), then:
         message.close()
     """
+    _settings.check_all()  # (once: a bad PROCSPAWN_* variable fails any send, as itself)
     # The plug-ins' reducers (NumPy's) are loaded when the C pickler meets their first
     # object (a message without arrays imports nothing); cloudpickle gets them up front.
     if deferred is None and not _plain_types_overridden():

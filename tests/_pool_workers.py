@@ -82,6 +82,10 @@ def interrupt_or_touch(x, path):
         return x
 
 
+def return_generators():
+    return [(i for i in range(3)) for _ in range(2)]
+
+
 def return_lock():
     import threading
 

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from concurrent.futures.process import BrokenProcessPool, _RemoteTraceback
 from multiprocessing.pool import MaybeEncodingError, RemoteTraceback
 
@@ -33,6 +34,7 @@ from _pool_workers import (
     nested_pool_map,
     pid_of,
     raise_value_error,
+    return_generators,
     return_lock,
     return_unrebuildable,
     set_state,
@@ -185,6 +187,22 @@ def test_results_that_cannot_travel_fail_their_task_only():
             p.apply(return_unrebuildable)
         assert "return_unrebuildable()" in str(info.value)
         assert p.map(square, range(4)) == [0, 1, 4, 9]
+
+
+@pytest.mark.timeout(60)
+def test_a_result_that_cannot_travel_is_shown_once_and_named():
+    with mp.Pool(1) as p:
+        with pytest.raises(MaybeEncodingError) as info:
+            p.apply(return_generators)
+    text = str(info.value)
+    assert "''" not in text  # shown once, not repr'd twice
+    assert "<generator object return_generators.<locals>." in text  # its name, not cut
+    assert " from return_generators" in text
+    with mp.ProcessPoolExecutor(1) as executor:
+        with pytest.raises(TypeError, match="generator") as caught:
+            executor.submit(return_generators).result(timeout=DEADLINE)
+    said = "".join(traceback.format_exception_only(caught.value))
+    assert "the result of return_generators() could not be pickled" in said
 
 
 @pytest.mark.timeout(60)

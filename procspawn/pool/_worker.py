@@ -223,15 +223,15 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             del fn, payload
             _send_error(channel, "e", exc)
             continue
-        del fn, payload
         try:
             with _main_names.sending_to(_parent_has):
                 message = _pickler.dumps(("r", value))
         except BaseException as exc:
-            error = exc if executor else _encoding_error(exc, value)
-            del value
+            error = _encoding_error(exc, value, fn, executor)
+            del value, fn, payload
             _send_error(channel, "e", error)
             continue
+        del fn, payload
         del value
         try:
             send_message(channel, message.data, message.fds)
@@ -239,16 +239,40 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             message.close()
 
 
-def _encoding_error(exc: BaseException, value: Any) -> BaseException:
-    """The stdlib Pool's error for a result that cannot be pickled (it rebuilds in the
-    parent from the two reprs it keeps)."""
+def _encoding_error(exc: BaseException, value: Any, fn: Any, executor: bool) -> BaseException:
+    """What a caller gets for a result that cannot be pickled: the stdlib Pool's
+    ``MaybeEncodingError``, the value shown once and long enough to name it; the
+    executor's pickling error as it is, with a note that says whose result it was."""
     import reprlib
 
+    shown = reprlib.Repr()
+    shown.maxother = shown.maxstring = 160
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    if executor:
+        note = (
+            f"the result of {name}() could not be pickled to send it back: "
+            f"{shown.repr(value)}; return something picklable (list(...) of a generator)"
+        )
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(note)
+            return exc
+        return type(exc)(f"{exc} ({note})") if type(exc) in (TypeError, ValueError) else exc
     # typeshed leaves MaybeEncodingError out of multiprocessing.pool
     from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]
 
-    error: BaseException = MaybeEncodingError(exc, reprlib.repr(value))
+    error: BaseException = MaybeEncodingError(exc, _Shown(f"{shown.repr(value)} from {name}"))
     return error
+
+
+class _Shown:
+    """A value as MaybeEncodingError shows it (it takes the ``repr`` of what it is given):
+    shown once, without a second pair of quotes."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: str = "") -> None:

@@ -29,6 +29,8 @@ class SettingError(ValueError):
     unset the variable. A ``ValueError``.
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _BYTES = r"\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*"  # compiled at first use

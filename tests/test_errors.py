@@ -49,7 +49,7 @@ def _defined_errors() -> set[str]:
             if (
                 isinstance(value, type)
                 and issubclass(value, BaseException)
-                and value.__module__ == module.__name__
+                and value.__module__ in (module.__name__, "procspawn")  # (public name)
                 and not name.startswith("_")
             ):
                 found.add(name)
@@ -90,3 +90,28 @@ def test_a_rank_s_shared_memory_error_reaches_the_parent_as_itself():
         mp.spawn(_raise_shared_memory_full, nprocs=1)
     assert type(caught.value.__cause__) is mp.SharedMemoryFullError
     assert caught.value.__cause__.errno == 28
+
+
+def _raise_value_error(rank):
+    raise ValueError(f"bad value in rank {rank}")
+
+
+def test_a_rank_s_error_reads_from_the_user_s_code_under_its_public_name():
+    import os
+    import traceback
+
+    package = os.path.dirname(os.path.abspath(mp.__file__)) + os.sep
+    with pytest.raises(mp.ProcessRaisedException) as caught:
+        mp.spawn(_raise_value_error, nprocs=1, timeout=60)
+    exc = caught.value
+    assert type(exc).__module__ == "procspawn"
+    shown = "".join(traceback.format_exception(exc))
+    assert "procspawn.ProcessRaisedException: process 0" in shown
+    assert "procspawn.context." not in shown
+    # of procspawn's frames, only the one that raised it in the caller's call
+    ours = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(package)]
+    assert len(ours) == 1, ours
+    # the rank's traceback starts at the user's function, not at procspawn's rank loop
+    remote = str(exc).split("terminated with the following error:\n", 1)[1]
+    assert "in _raise_value_error" in remote and package not in remote
+    assert isinstance(exc.__cause__, ValueError)

@@ -25,6 +25,8 @@ class ProcessException(Exception):
     finished before the failure, by rank (None for the others).
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(self, msg: str, error_index: int, pid: int) -> None:
         super().__init__(msg)
         self.msg = msg
@@ -48,6 +50,8 @@ class ProcessRaisedException(ProcessException):
     traceback points at.
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(self, msg: str, error_index: int, error_pid: int) -> None:
         super().__init__(msg, error_index=error_index, pid=error_pid)
 
@@ -60,6 +64,8 @@ class ProcessExitedException(ProcessException):
     A SIGKILL that nobody sent on purpose is most often the kernel's out-of-memory killer:
     check ``dmesg`` and the memory the ranks use.
     """
+
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
 
     def __init__(
         self,
@@ -90,6 +96,8 @@ class ProcessTimeoutError(ProcessException, TimeoutError):
     message from one that never sends, say).
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(
         self, msg: str, error_index: int, pid: int, ranks: list[int], elapsed: float
     ) -> None:
@@ -113,6 +121,8 @@ class RayMissingError(ImportError):
     processes on this machine. An ``ImportError``.
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
 
 class RayResourcesError(RuntimeError):
     """The Ray cluster cannot give every rank a CPU (nothing was started).
@@ -122,6 +132,8 @@ class RayResourcesError(RuntimeError):
     ``PROCSPAWN_RAY_READY_TIMEOUT`` seconds; every rank was stopped. Start fewer ranks,
     add nodes, or wait for other jobs to give back their CPUs (or raise the timeout).
     """
+
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
 
 
 # The classes a pool gives a task's exception as its cause, the worker's traceback (the
@@ -148,9 +160,10 @@ def ctrl_c(exc: BaseException | None) -> bool:
 
 def ctrl_c_in_caller(call: _F) -> _F:
     """For a public call that waits: a Ctrl-C while it waits (its processes already
-    stopped by the code that caught it) ends in a traceback of the caller's frames and
-    this one line, not procspawn's waiting loops. A task's own KeyboardInterrupt, handed
-    to its caller, goes on as it is, its traceback and cause kept."""
+    stopped by the code that caught it), or a rank's failure, ends in a traceback of the
+    caller's frames and this one line, not procspawn's waiting loops. A task's own
+    KeyboardInterrupt, handed to its caller, goes on as it is, its traceback and cause
+    kept."""
 
     @functools.wraps(call)
     def waiting(*args: Any, **kwargs: Any) -> Any:
@@ -160,6 +173,10 @@ def ctrl_c_in_caller(call: _F) -> _F:
             if not ctrl_c(interrupt):
                 raise  # a task's, as any other exception of a task
             raise interrupt.with_traceback(None) from None  # Ctrl-C while procspawn waited
+        except ProcessException as failure:
+            # a rank's failure: the caller's frames and this one, not procspawn's waiting
+            # loops (the rank's own traceback is in the message and the cause)
+            raise failure.with_traceback(None)  # noqa: B904 -- (its cause is kept as it is)
 
     # functools.wraps types the wrapper as its own _Wrapped, not as call's type, which it has
     return waiting  # type: ignore[return-value]

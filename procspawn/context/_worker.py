@@ -118,10 +118,22 @@ def _apply_config(config: dict[str, Any], rank: int) -> None:
         _progress.attach(config["progress"], rank)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _users(tb: Any) -> Any:
+    """The traceback from its first frame that is not procspawn's (the call of ``fn``):
+    what the user sees of a rank's error starts at their own code. All of it if none is."""
+    first = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
+        tb = tb.tb_next
+    return tb if tb is not None else first
+
+
 def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:
     import traceback  # on failure only: a rank that succeeds does not pay for it
 
-    text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = prefix + "".join(traceback.format_exception(type(exc), exc, _users(exc.__traceback__)))
     try:
         import cloudpickle
 

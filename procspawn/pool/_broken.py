@@ -30,6 +30,8 @@ class TerminatedWorkerError(BrokenProcessPool, ProcessExitedException):
     does it for you) once the cause is fixed.
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(
         self,
         msg: str,
@@ -55,6 +57,8 @@ class InitializerError(BrokenProcessPool):
     A ``concurrent.futures.process.BrokenProcessPool`` (so a ``RuntimeError``), as the
     stdlib's executor raises in this case.
     """
+
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
 
 
 __all__ = ["InitializerError", "TerminatedWorkerError"]

@@ -16,6 +16,8 @@ class TaskTimeoutError(TimeoutError):
     hangs.
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(self, msg: str, timeout: float, pid: int) -> None:
         super().__init__(msg)
         self.timeout = timeout

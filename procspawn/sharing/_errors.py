@@ -20,6 +20,8 @@ class CudaError(RuntimeError):
     memory. The message names the call, the driver's error and what to do; ``.code`` is
     the driver's status (0 where no call failed)."""
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(self, message: str, code: int = 0) -> None:
         super().__init__(message)
         self.code = code
@@ -75,6 +77,8 @@ class FdLimitError(OSError):
     array holds none: ``procspawn.set_sharing_strategy("file_system")``.
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __init__(self, what: str, where: tuple[int, int, int] | None = None) -> None:
         """``where``: (pid, soft limit, hard limit) of the process that ran out, when it
         is not this one (an error sent back by a pool worker)."""
@@ -110,6 +114,8 @@ class SharedMemoryFullError(OSError):
     the ``file_descriptor`` strategy. An ``OSError`` (``errno.ENOSPC``).
     """
 
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
+
     def __reduce__(self) -> tuple[type[SharedMemoryFullError], tuple[Any, ...]]:
         return (SharedMemoryFullError, self.args)
 
@@ -122,6 +128,8 @@ class ChannelClosed(EOFError):
     to read, or in the middle of one. An ``EOFError``, as multiprocessing raises there:
     treat it as the end of the stream, or find out why the sender went away.
     """
+
+    __module__ = "procspawn"  # its public name, in tracebacks and pickles
 
 
 def reserve(fd: int, nbytes: int, where: str, free_path: str | None, overhead: int = 0) -> None:

@@ -48,7 +48,28 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = f"procspawn {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["tables.css"]  # tables wrap to fit the page
 
 
 docgen.write_all(GENERATED)
+
+
+def setup(app):  # type: ignore[no-untyped-def]
+    from sphinx.ext.autodoc import Documenter, FunctionDocumenter
+
+    class OneSignature(FunctionDocumenter):
+        """``autoonesignature``: ``autofunction`` that shows the signature it is given,
+        not every typing overload (``spawn`` has four, one per ``join`` and ``backend``;
+        the API page gives its one signature, see _scripts/api_page.py)."""
+
+        objtype = "onesignature"
+        directivetype = "function"
+        priority = -100  # never chosen for a module's members
+
+        def format_signature(self, **kwargs):  # type: ignore[no-untyped-def]
+            if self.args is not None:
+                return Documenter.format_signature(self, **kwargs)
+            return super().format_signature(**kwargs)
+
+    app.add_autodocumenter(OneSignature)

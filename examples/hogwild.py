@@ -41,6 +41,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -235,6 +236,8 @@ def run(data, nranks, epochs, batch_size=BATCH_SIZE, lr=LEARNING_RATE):
         steps_per_epoch(len(shard(n_train, r, nranks)), batch_size) for r in range(nranks)
     )
     bar = procspawn.Progress(steps, per_rank=True, desc=ranks(nranks))
+    if not sys.stdout.isatty():  # no bar off a terminal: say what runs, not stay silent
+        print(f"training with {ranks(nranks)} ({steps:,} steps)...", flush=True)
     start_line = procspawn.get_context().Barrier(nranks)
     start = time.perf_counter()
     reports = procspawn.spawn(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import types
+import typing
 from typing import Any
 
 # Reading order of the top-level names; exceptions are found by type, not listed here, and
@@ -78,8 +79,25 @@ def _directive(qualname: str, obj: Any) -> str:
         kind, options = "autodata", ()
     # autodoc writes reStructuredText, so its directives go in an eval-rst block (in a
     # MyST directive, the docstrings would be read as Markdown)
-    lines = ["```{eval-rst}", f".. {kind}:: {qualname}", *(f"   {o}" for o in options)]
+    signature = _one_signature(obj)
+    if signature:  # (conf.py's autodoc directive that shows only the signature given)
+        kind = "autoonesignature"
+    lines = ["```{eval-rst}", f".. {kind}:: {qualname}{signature}", *(f"   {o}" for o in options)]
     return "\n".join([*lines, "```", ""])
+
+
+def _one_signature(obj: Any) -> str:
+    """For a function with typing overloads (``spawn``: one per ``join``), its one
+    signature, names and defaults, as the reader calls it: autodoc would list every
+    overload, four near-identical ones before a word of description. "" otherwise."""
+    get_overloads = getattr(typing, "get_overloads", None)  # Python 3.11+
+    if not inspect.isroutine(obj) or get_overloads is None or not get_overloads(obj):
+        return ""
+    parameters = [
+        parameter.replace(annotation=inspect.Parameter.empty)
+        for parameter in inspect.signature(obj).parameters.values()
+    ]
+    return str(inspect.Signature(parameters))
 
 
 def _summary(module: types.ModuleType) -> str:

@@ -4,8 +4,8 @@ Run on a GPU machine with::
 
     timeout 280 python3 -m pytest tests/gpu -x -q --timeout=60
 
-Figures (seconds, bytes) go to ``$PROCSPAWN_GPU_REPORT`` (default ``gpu.json`` in
-``$OUT`` when set, else nowhere), with the device's name, also when a test fails.
+Figures (seconds, bytes) go to the JSON file ``$PROCSPAWN_GPU_REPORT`` names (nowhere
+when it is unset), with the device's name, also when a test fails.
 
 These tests start CUDA in the test process (it is the producer), so a later test of the
 same run that forks with ``start_method="fork"`` gets procspawn's refusal: run
@@ -49,16 +49,8 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def _report_path() -> str | None:
-    path = os.environ.get("PROCSPAWN_GPU_REPORT")
-    if path:
-        return path
-    out = os.environ.get("OUT")
-    return os.path.join(out, "gpu.json") if out else None
-
-
 def pytest_sessionfinish(session, exitstatus):
-    path = _report_path()
+    path = os.environ.get("PROCSPAWN_GPU_REPORT")
     if path and FIGURES:
         with open(path, "w") as f:
             json.dump(FIGURES, f, indent=1, sort_keys=True, default=str)

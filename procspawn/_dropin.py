@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 from . import _settings
 from .context.launch._cuda_guard import refuse_fork
-from .context.launch._start_method import get_start_method, set_start_method
+from .context.launch._start_method import (
+    get_start_method,
+    refuse_while_starting,
+    set_start_method,
+)
 from .sharing.channels._connection import Pipe as _Pipe
 from .sharing.channels._queues import JoinableQueue as _JoinableQueue
 from .sharing.channels._queues import Queue as _Queue
@@ -101,6 +105,7 @@ class _ProcessMixin:
             SettingError: a ``PROCSPAWN_*`` variable has a value procspawn cannot use.
         """
         _settings.check_all()  # a bad PROCSPAWN_* variable: its SettingError, first
+        refuse_while_starting("Process.start()")  # (a child importing the main module)
         calls: list[_Call] = []
         self._procspawn_calls = calls  # filled by __getstate__ if the process is pickled
         try:

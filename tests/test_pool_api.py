@@ -1206,9 +1206,13 @@ def test_a_missing_main_guard_fails_clearly_instead_of_looping(tmp_path):
     )
     result = run_file(script)
     assert result.returncode == 1
-    last = result.stderr[result.stderr.rindex("InitializerError") :]
-    assert "died before they were ready" in last
-    assert 'without an `if __name__ == "__main__":` guard' in last
+    last = result.stderr[result.stderr.rindex("RuntimeError: ") :]
+    assert last.startswith(
+        f"RuntimeError: a procspawn pool or executor is called at {script}:4 when that file is "
+        f'imported: put it under `if __name__ == "__main__":`'
+    ), last
+    assert "InitializerError" not in result.stderr  # there is no initializer
+    assert len(result.stderr.strip().splitlines()) <= 25, result.stderr
 
 
 @pytest.mark.timeout(90)
@@ -1226,9 +1230,10 @@ def test_a_pool_made_by_a_module_the_guarded_main_imports_is_explained(tmp_path)
     script.write_text('import helper\nif __name__ == "__main__":\n    print(helper.TABLE)\n')
     result = run_file(script)
     assert result.returncode == 1
-    last = result.stderr[result.stderr.rindex("InitializerError") :]
-    assert "died before they were ready" in last
-    assert "or at the top level of a module it imports" in last
+    last = result.stderr[result.stderr.rindex("RuntimeError: ") :]
+    helper = tmp_path / "helper.py"
+    assert f"is called at {helper}:4 when that file is imported" in last, last
+    assert f"the main module imports {helper}: move that code into a function" in last
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,7 @@ from ._watch import (
     exit_code,
     exit_handle,
     last_words,
+    missing_guard,
     oom_kills,
     stop,
     unknown_exit_text,
@@ -398,6 +399,9 @@ class ProcessContext(Generic[_R]):
             self._results[rank] = None  # sys.exit(0) / sys.exit(None): a clean exit
             return
         pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
+        unguarded = missing_guard(self._output, rank, _OUTPUT_DRAIN, f"process {rank} (pid {pid})")
+        if unguarded is not None:
+            raise ProcessExitedException(unguarded, rank, pid, code or 1, None)
         if code is None:
             how, name, code = unknown_exit_text(), None, UNKNOWN_EXIT_CODE
         else:

@@ -37,7 +37,7 @@ from ._process_context import ProcessContext
 from ._progress import Progress, as_progress
 from .launch._child import check_can_start_children, parent_death_signal_is_safe, start_child
 from .launch._cuda_guard import refuse_fork
-from .launch._start_method import get_start_method
+from .launch._start_method import get_start_method, refuse_while_starting
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._ray import RayContext
@@ -53,13 +53,7 @@ def _check(
     timeout: Any,
     grace_period: Any,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            "procspawn.spawn() was called while this process was still starting: the "
-            "module that calls it is the main module of a program whose ranks import it "
-            "again (start methods spawn and forkserver), and it calls spawn() at its top "
-            'level. Put the code that starts the ranks under `if __name__ == "__main__":`.'
-        )
+    refuse_while_starting("procspawn.spawn()")  # (a child importing the main module again)
     if not callable(fn):
         raise TypeError(
             f"fn must be callable (it is called as fn(rank, *args, **kwargs)), got {fn!r}"
@@ -265,10 +259,11 @@ def start_processes(
     Raises:
         ValueError: a bad argument; see :func:`spawn`.
         TypeError: a bad argument; see :func:`spawn`.
-        RuntimeError: called while this process is still starting; see :func:`spawn`.
         pickle.PicklingError: ``fn`` or an argument cannot be pickled (nothing started).
         ProcessRaisedException: a rank raised.
-        ProcessExitedException: a rank exited with a non-zero code or was killed.
+        ProcessExitedException: a rank exited with a non-zero code or was killed; or
+            it reached a ``spawn`` at the top level of the main module, which it imports
+            again as it starts (the message leads with the fix: the ``__main__`` guard).
         ProcessTimeoutError: ``timeout`` passed.
         RayMissingError: ``backend="ray"`` without Ray installed.
         RayResourcesError: the Ray cluster cannot give every rank a CPU.
@@ -589,9 +584,6 @@ def spawn(
             in the arguments.
         TypeError: ``fn`` is not callable, ``args`` not a tuple or list, ``kwargs`` not a
             mapping with string keys, or ``progress`` of another type.
-        RuntimeError: called while this process is still starting: the module calling
-            ``spawn`` at its top level is imported again by the ranks. Put that call
-            under ``if __name__ == "__main__":``.
         pickle.PicklingError: ``fn`` or an argument cannot be pickled; the message names
             which. No process was started.
         ProcessRaisedException: a rank raised; its traceback is in the message and its

@@ -18,6 +18,7 @@ import errno
 import os
 import selectors
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from .. import _settings
 from .._output import OutputForwarder
 from ..sharing.channels._fdpass import wait_readable
 from ._errors import signal_name
+from .launch._start_method import GUARD_MARKER
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 
@@ -46,10 +48,6 @@ _GUARD_HINT = (
 _HINTS = [
     (
         "bootstrapping phase",
-        _GUARD_HINT,
-    ),
-    (
-        "procspawn.spawn() was called while this process was still starting",
         _GUARD_HINT,
     ),
 ]
@@ -151,6 +149,35 @@ def _kernel_log_names_oom_kill(pid: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def missing_guard(output: OutputForwarder | None, key: int, drain: float, who: str) -> str | None:
+    """The error of a child that stopped because the main module has no ``__main__`` guard
+    (it said so on stderr, alone, see ``refuse_while_starting``), leading with the fix; None
+    for any other death. ``who``: the child, as "process 1 (pid 42)"."""
+    if output is None:
+        return None
+    output.wait_eof(key, drain)
+    said = [line for line in output.tail(key).splitlines() if line.startswith(GUARD_MARKER)]
+    if not said:
+        return None
+    what, _, where = (
+        said[-1][len(GUARD_MARKER) :].partition("(")[2].rpartition(")")[0].partition(" at ")
+    )
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    file = where.rpartition(":")[0]
+    if main and os.path.abspath(main) == os.path.abspath(file):
+        fix = f'put it under `if __name__ == "__main__":` in {file}'
+    else:
+        fix = (
+            f"the main module imports {file}: move that code into a function the code under "
+            f'`if __name__ == "__main__":` calls'
+        )
+    return (
+        f"{what} is called at {where} when that file is imported: {fix}. Under the spawn and "
+        f"forkserver start methods every child imports the main module again (and what it "
+        f"imports); {who} reached that line while it did, and stopped."
+    )
 
 
 def last_words(output: OutputForwarder | None, key: int, drain: float) -> str:

@@ -51,6 +51,7 @@ from ..context._watch import (
     exit_code,
     exit_handle,
     last_words,
+    missing_guard,
     oom_kills,
     send_signal,
     sigint_held,
@@ -1261,6 +1262,14 @@ class Dispatcher:
             tasks.insert(0, running)
             self._requeue(tasks)
             self._fill()
+            return
+        unguarded = None
+        if not worker.ready and running is None and self.start_method != "fork":
+            who = f"pool worker (pid {worker.pid})"
+            unguarded = missing_guard(self._output, worker.slot, _OUTPUT_DRAIN, who)
+        if unguarded is not None:  # no __main__ guard: every worker would stop the same way
+            self._requeue(tasks)
+            self._break(RuntimeError(unguarded))
             return
         error = self._death_error(worker, code, running)
         if not worker.ready and running is None:

@@ -17,6 +17,8 @@ neither read nor changed.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import sys
 
 from ... import _settings
 from . import _cuda_guard
@@ -43,6 +45,27 @@ def _check(method: object, where: str) -> str:
             f"use one of: {', '.join(methods)}"
         )
     return method
+
+
+# What a child that reached code starting processes while it imported the main module
+# again writes, alone, before it exits: the parent, which reads its stderr, tells the user
+# the fix once (see _watch.last_words), instead of a traceback per child.
+GUARD_MARKER = "procspawn: this child reached code that starts processes while it imported"
+GUARD_EXIT_CODE = 1
+
+
+def refuse_while_starting(what: str) -> None:
+    """In a child of spawn or forkserver that is still importing the main module again (it
+    has no ``if __name__ == "__main__":`` guard): say so in one line, for the parent, and
+    exit, with no traceback. Nothing otherwise."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        package = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+            frame = frame.f_back  # the user's line that called procspawn
+        where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        os.write(2, f"{GUARD_MARKER} the main module ({what} at {where})\n".encode())
+        os._exit(GUARD_EXIT_CODE)
 
 
 def get_start_method(allow_none: bool = False) -> str:
@@ -99,6 +122,9 @@ def start_method_of(context: str | BaseContext | None) -> str:
     ``get_start_method()``). Every setting is checked first (the pools' constructors
     come here)."""
     _settings.check_all()
+    refuse_while_starting(
+        "a procspawn pool or executor"
+    )  # (a child importing the main module again)
     if context is None:
         method = get_start_method()
         if method == "fork":
@@ -126,6 +152,8 @@ def start_method_of(context: str | BaseContext | None) -> str:
 
 __all__ = [
     "ENV",
+    "GUARD_MARKER",
+    "refuse_while_starting",
     "default_start_method",
     "get_start_method",
     "set_start_method",

@@ -95,3 +95,29 @@ def test_a_progress_object_shows_each_run(capsys):
     mp.spawn(count_steps, args=(10,), nprocs=2, progress=bar)
     err = capsys.readouterr().err
     assert err.count("steps: 20/20 (100.0%)") == 2, err
+
+
+try:  # tqdm makes a process-wide lock (a semaphore in /dev/shm) at its first bar: now,
+    import tqdm  # before any test's leak check takes its baseline
+
+    tqdm.tqdm.get_lock()
+except ImportError:
+    pass
+
+
+def test_the_ranks_rates_add_up_to_the_bar_s(capsys):
+    """Each rank's rate and the bar's are steps since the ranks started over the same
+    seconds (tqdm's own rate was a recent average, and the ranks' did not add up to it)."""
+    pytest.importorskip("tqdm", reason="the tqdm bar needs tqdm")
+    import time
+
+    bar = mp.Progress(total=1000, per_rank=True, use_tqdm=True, show=True)
+    counters = bar._allocate(2)
+    counters[0], counters[8] = 300, 100  # (slots of 8: each rank's count first)
+    time.sleep(0.3)
+    bar._draw_tqdm()
+    shown = bar._bar.format_dict
+    total_rate = shown["n"] / shown["elapsed"]
+    assert sum(bar.rates()) == pytest.approx(total_rate, rel=0.05)
+    assert bar.counts == [300, 100]
+    bar.close()

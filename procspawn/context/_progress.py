@@ -280,7 +280,11 @@ class Progress:
         import tqdm
 
         if self._bar is None:
-            self._bar = tqdm.tqdm(total=self.total, desc=self.desc, file=sys.stderr)
+            # the bar's rate as the per-rank ones: steps since the ranks started over the
+            # seconds since then (not tqdm's recent average), so that the ranks' rates add
+            # up to the bar's
+            self._bar = tqdm.tqdm(total=self.total, desc=self.desc, file=sys.stderr, smoothing=0)
+            self._bar.start_t -= time.monotonic() - self._started
         if self.per_rank:
             self._bar.set_postfix_str(self._rank_rates(), refresh=False)
         self._bar.update(self.count - self._bar.n)  # redraws as tqdm sees fit

@@ -54,7 +54,6 @@ renew_lock_in_child(globals())
 _starts: dict[int, list[int]] = {}
 _ranges: dict[tuple[int, int], tuple[int, weakref.ref[Any]]] = {}
 _uuids: list[bytes] = []  # device ordinal of this process -> its UUID
-_pid = os.getpid()
 
 
 def device_uuid(device: int) -> bytes:

@@ -28,9 +28,9 @@ class Memory:
 @pytest.fixture(autouse=True)
 def fresh_slots():
     """Each test starts with no blocks and no slabs of its own."""
-    _slots._reset_after_fork()
+    _slots.reset()
     yield
-    _slots._reset_after_fork()
+    _slots.reset()
     gc.collect()
 
 
@@ -151,7 +151,7 @@ def test_a_full_slab_is_followed_by_another_and_a_forwarder_is_told_no():
     )
 )
 def test_after_any_sequence_a_block_is_kept_exactly_while_a_slot_names_it(steps):
-    _slots._reset_after_fork()
+    _slots.reset()
     memories = {n: Memory() for n in range(6)}
     refs = {n: weakref.ref(m) for n, m in memories.items()}
     slots_of: dict[int, list] = {n: [] for n in range(6)}

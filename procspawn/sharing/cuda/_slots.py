@@ -213,31 +213,48 @@ def counts() -> dict[str, int]:
 def _start_sweeper() -> None:
     global _sweeper
     if _sweeper is None or not _sweeper.is_alive():
-        _sweeper = threading.Thread(target=_sweep_while_kept, name="procspawn-gpu-sweep")
+        _sweeper = threading.Thread(
+            target=_sweep_while_kept, args=(_generation,), name="procspawn-gpu-sweep"
+        )
         _sweeper.daemon = True
         _sweeper.start()
 
 
-def _sweep_while_kept() -> None:
+def _sweep_while_kept(generation: int) -> None:
     global _sweeper
     stop = threading.Event()
     while not stop.wait(SWEEP_EVERY):
+        if generation != _generation:
+            return  # everything was reset: a new sweeper serves what comes
         sweep()
         with _lock:
-            if not _blocks:
+            if not _blocks and generation == _generation:
                 _sweeper = None
                 return
 
 
+_generation = 0  # bumped by every reset: a sweeper of an earlier one stops
+
+
+def reset() -> None:
+    """Forget this process' slabs and blocks (under the lock: a sweep in progress finishes
+    first). For a fresh start within a process; a forked child gets ``_reset_after_fork``."""
+    global _sweeper, _next_block, _generation
+    with _lock:
+        _own.clear()
+        _blocks.clear()
+        _block_of.clear()
+        _sweeper = None
+        _next_block = 1
+        _generation += 1
+
+
 def _reset_after_fork() -> None:
-    # the parent's slabs and blocks are the parent's: a forked child sends its own
-    global _sweeper, _lock, _next_block
-    _own.clear()
-    _blocks.clear()
-    _block_of.clear()
-    _sweeper = None
-    _next_block = 1
+    # the parent's slabs and blocks are the parent's: a forked child sends its own (its
+    # lock is new: another thread of the parent may have held the old one)
+    global _lock
     _lock = threading.RLock()
+    reset()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -282,8 +282,9 @@ def test_a_kernel_s_writes_queued_before_the_send_are_seen_without_a_sync():
     del array
 
 
-def test_ten_thousand_arrays_in_flight_then_nothing_left():
-    count = 10_000
+def _many_in_flight(count, make, figure):
+    """``count`` arrays from ``make(i)`` (holding ``i`` first) sent to one consumer that
+    holds them all at once; then the device memory must be back within 5 s."""
     free_before = _free()
     inbox, outbox = procspawn.Queue(), procspawn.Queue()
     p = procspawn.Process(target=w.hold_many, args=(inbox, outbox, count))
@@ -291,19 +292,26 @@ def test_ten_thousand_arrays_in_flight_then_nothing_left():
     try:
         started = time.monotonic()
         for i in range(count):
-            array = cuda.zeros(256)  # 1 KiB each, carved out of slabs
-            array[0] = i
-            inbox.put(array)
-        del array
+            inbox.put(make(i))
         n, total = outbox.get(timeout=90)
-        FIGURES["ten_thousand_in_flight_s"] = round(time.monotonic() - started, 3)
+        FIGURES[figure] = round(time.monotonic() - started, 3)
         assert n == count and total == sum(range(count))
     finally:
         _stop(p)
     deadline = time.monotonic() + 5
-    while _free() < free_before - (64 << 20):
-        assert time.monotonic() < deadline, "device memory not back after 10,000 arrays"
+    while _free() < free_before - (64 << 20):  # (cuda_ipc: the producer's sweep, each second)
+        assert time.monotonic() < deadline, f"device memory not back after {count} arrays"
         time.sleep(0.05)
+
+
+def _slab_array(i):
+    array = cuda.zeros(256)  # 1 KiB, carved out of a slab
+    array[0] = i
+    return array
+
+
+def test_ten_thousand_arrays_in_flight_then_nothing_left():
+    _many_in_flight(10_000, _slab_array, "ten_thousand_in_flight_s")
 
 
 @pytest.fixture
@@ -341,29 +349,11 @@ def test_cupy_pool_arrays_forwarded_come_home_and_many_in_flight_are_all_given_b
     from procspawn import _settings
 
     _forward_and_come_home(lambda n: cupy.zeros(n, dtype=cupy.float32))
-    # 5,000 fresh arrays of CuPy's pool in flight at once, each by IPC handle
     monkeypatch.setenv("PROCSPAWN_GPU_INLINE_BYTES", "1k")
     _settings.reload("PROCSPAWN_GPU_INLINE_BYTES")
-    free_before = _free()
-    count = 5_000
-    inbox, outbox = procspawn.Queue(), procspawn.Queue()
-    p = procspawn.Process(target=w.hold_many, args=(inbox, outbox, count))
-    p.start()
-    try:
-        started = time.monotonic()
-        for i in range(count):
-            array = cupy.full(1024, i, dtype=cupy.float32)  # 4 KiB each
-            inbox.put(array)
-        del array
-        n, total = outbox.get(timeout=90)
-        FIGURES["ipc_5000_in_flight_s"] = round(time.monotonic() - started, 3)
-        assert n == count and total == sum(range(count))
-    finally:
-        _stop(p)
-    deadline = time.monotonic() + 5
-    while _free() < free_before - (64 << 20):  # (the producer's sweep, every second)
-        assert time.monotonic() < deadline, "memory not given back after 5,000 arrays"
-        time.sleep(0.05)
+    _many_in_flight(  # 4 KiB each, fresh from CuPy's pool, each by IPC handle
+        5_000, lambda i: cupy.full(1024, i, dtype=cupy.float32), "ipc_5000_in_flight_s"
+    )
 
 
 def test_a_torch_cuda_tensor_still_goes_by_torch_s_own_sharing():

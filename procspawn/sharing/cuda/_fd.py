@@ -129,12 +129,17 @@ _live: dict[weakref.ref[Any], tuple[int, int, int, int, int]] = {}
 
 def _released(ref: weakref.ref[Any]) -> None:
     """The last array over a DeviceSegment is gone: unmap it once the work queued on the
-    current stream before now is done (CuPy's pool reuses memory in the same order)."""
-    with _lock:
-        entry = _live.pop(ref, None)
-        if entry is None:
-            return
-        device, address, size, fd, pid = entry
+    current stream before now is done (CuPy's pool reuses memory in the same order). At
+    interpreter exit this may run after the module's globals are gone: then the driver
+    frees it with the process."""
+    try:
+        with _lock:
+            entry = _live.pop(ref, None)
+    except Exception:  # noqa: BLE001 -- module globals already cleared (interpreter exit)
+        return
+    if entry is None:
+        return
+    device, address, size, fd, pid = entry
     untrack(device, address, ref)
     if pid != os.getpid():  # a forked child that merely inherited it
         return

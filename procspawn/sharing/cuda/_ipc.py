@@ -99,24 +99,50 @@ class IpcSegment(_fd.DeviceMemory):
         return f"<procspawn IpcSegment cuda_ipc GPU {self.device} size={self.size}>"
 
 
-def _closed(ref: weakref.ref[Any]) -> None:
+def _closed(ref: weakref.ref[Any], opened: dict[Any, Any] = _opened) -> None:
     """The last array over a received allocation is gone: close the mapping once the
-    current stream's work is done, then free the slots that held it."""
-    entry = _opened.pop(ref, None)
+    current stream's work is done, then free the slots that held it. (``opened`` is
+    bound here: at interpreter exit this may run after the module's globals are gone.)"""
+    entry = opened.pop(ref, None)
     if entry is None:
         return
     pid, device, address, holds, _ = entry
-    _fd.untrack(device, address, ref)
-    if pid != os.getpid():  # a forked child that merely inherited it
-        return
     try:
+        _fd.untrack(device, address, ref)
+        if pid != os.getpid():  # a forked child that merely inherited it
+            return
         with cupy.cuda.Device(device):
             cupy.cuda.get_current_stream().synchronize()
             cupy.cuda.runtime.ipcCloseMemHandle(address)
-    except Exception:  # noqa: BLE001,S110 -- at exit, or the producer's context is gone
-        pass
+    except Exception:  # noqa: BLE001 -- at exit, or the producer's context is gone
+        return  # (at exit the driver closes it with the process; slots: the sweep)
     for slab, index, _ in holds:  # (after the close: see the module's text)
         _slots.free(slab, index)
+
+
+def _segment(
+    address: int,
+    size: int,
+    device: int,
+    producer: tuple[int, int],
+    origin: int,
+    ipc_handle: bytes,
+    block: int,
+    slab: Segment | None,
+) -> IpcSegment:
+    """An IpcSegment: opened here (``slab`` given: a receiver's mapping, closed when it
+    goes) or the producer's own memory (``slab`` None)."""
+    return IpcSegment(
+        address=address,
+        size=size,
+        device=device,
+        producer=producer,
+        origin=origin,
+        ipc_handle=ipc_handle,
+        block=block,
+        slab=slab,
+        opened=slab is not None,
+    )
 
 
 def opened_bytes() -> int:
@@ -137,17 +163,7 @@ def own_segment(pointer: int, device: int) -> tuple[IpcSegment, int] | None:
     with _mapcache.lock():
         segment = _mapcache.cached(NAME, (me, ipc_handle))
         if segment is None:
-            segment = IpcSegment(
-                address=base,
-                size=size,
-                device=device,
-                producer=me,
-                origin=base,
-                ipc_handle=ipc_handle,
-                block=0,
-                slab=None,
-                opened=False,
-            )
+            segment = _segment(base, size, device, me, base, ipc_handle, 0, None)
             _mapcache.remember(segment)
     assert isinstance(segment, IpcSegment)
     return segment, pointer - base
@@ -197,18 +213,9 @@ class CudaIpcStrategy(SharingStrategy):
             keepalive = _slots.keepalives(block)
             if keepalive is None:
                 raise CudaError("a GPU array came back to its producer after it let go of it")
-            return IpcSegment(
-                address=origin,
-                size=size,
-                device=device,
-                producer=producer,
-                origin=origin,
-                ipc_handle=ipc_handle,
-                block=block,
-                slab=None,
-                opened=False,
-                keepalive=keepalive,
-            )
+            home = _segment(origin, size, device, producer, origin, ipc_handle, block, None)
+            home.keepalive = keepalive
+            return home
         _slots.hold(slab, index)
         try:
             with cupy.cuda.Device(device):
@@ -222,17 +229,7 @@ class CudaIpcStrategy(SharingStrategy):
                 f"a PID namespace. Keep the producer alive until the array is received, "
                 f"or send arrays from sharing.cuda.zeros/empty (cuda_fd), which outlive it."
             ) from None
-        segment = IpcSegment(
-            address=address,
-            size=size,
-            device=device,
-            producer=producer,
-            origin=origin,
-            ipc_handle=ipc_handle,
-            block=block,
-            slab=slab,
-            opened=True,
-        )
+        segment = _segment(address, size, device, producer, origin, ipc_handle, block, slab)
         segment.holds.append((slab, index, block))
         _fd.linger(segment)
         return segment

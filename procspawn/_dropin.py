@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 from . import _settings
 from .context.launch._cuda_guard import refuse_fork
 from .context.launch._start_method import (
+    force_start_method,
     get_start_method,
     refuse_while_starting,
     set_start_method,
@@ -93,6 +94,8 @@ class _ProcessMixin:
     _args: Any
     _kwargs: Any
     _procspawn_calls: list[_Call]
+    _start_method: str | None  # the stdlib's: None for the default context's Process
+    _procspawn_method: str
 
     def start(self) -> None:
         """Start the process, as ``multiprocessing.Process.start`` does.
@@ -106,6 +109,8 @@ class _ProcessMixin:
         """
         _settings.check_all()  # a bad PROCSPAWN_* variable: its SettingError, first
         refuse_while_starting("Process.start()")  # (a child importing the main module)
+        # what the child reports as its start method (see _bootstrap)
+        self._procspawn_method = self._start_method or get_start_method()
         calls: list[_Call] = []
         self._procspawn_calls = calls  # filled by __getstate__ if the process is pickled
         try:
@@ -123,6 +128,14 @@ class _ProcessMixin:
             for call in calls:
                 # as the stdlib's start() does: the target and its arguments can be collected
                 call.target = call.args = call.kwargs = None
+
+    def _bootstrap(self, *args: Any, **kwargs: Any) -> int:
+        # in the child: procspawn.get_start_method() names the method that started it,
+        # as multiprocessing.get_start_method() does in the stdlib's children
+        method = self.__dict__.get("_procspawn_method")
+        if method is not None:
+            force_start_method(method)
+        return super()._bootstrap(*args, **kwargs)  # type: ignore[misc,no-any-return]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

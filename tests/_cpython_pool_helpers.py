@@ -46,7 +46,11 @@ if SOURCE is not None:
         _code = compile(_file.read(), SOURCE, "exec", dont_inherit=True)
     # The tests' own tracebacks and the workers' (test_traceback reads the source line
     # back from the worker's traceback) name the file itself.
-    exec(_code, globals())
+    try:
+        exec(_code, globals())
+    except ImportError as _missing:  # the file without the test package it imports
+        WHY_MISSING = f"{SOURCE} cannot be imported here ({_missing})"
+        SOURCE = None
     del _file, _code
 
 

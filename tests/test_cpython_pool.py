@@ -87,8 +87,16 @@ import unittest
 
 import _cpython_pool_helpers as _cf_tests
 import pytest
-from test import _test_multiprocessing as _mp_tests
-from test.support import script_helper
+
+try:
+    from test import _test_multiprocessing as _mp_tests
+    from test.support import script_helper
+except ImportError as _missing:  # an interpreter without its test package (Ubuntu's, say)
+    pytest.skip(
+        f"CPython's test package is not installed with this interpreter ({_missing}): on "
+        f"Debian and Ubuntu, apt install libpython3.X-testsuite",
+        allow_module_level=True,
+    )
 
 import procspawn
 from procspawn.pool import _dispatcher as _pool_dispatcher

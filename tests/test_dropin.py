@@ -247,3 +247,53 @@ def test_process_keeps_target_args_and_kwargs_as_the_stdlib_does(lib, start_meth
     assert p.exitcode == 0
     q.close()
     q.join_thread()
+
+
+# -- issue 39: the start method a child reports -------------------------------------------
+
+
+def _report_start_method(conn):
+    conn.send(mp.get_start_method())
+    try:
+        mp.set_start_method("spawn")  # set in the child already, as the stdlib's is
+    except RuntimeError:
+        conn.send("set")
+    else:
+        conn.send("not set")
+    conn.close()
+
+
+def _child_reports(process_factory, pipe_factory):
+    r, w = pipe_factory(duplex=False)
+    p = process_factory(target=_report_start_method, args=(w,))
+    p.start()
+    w.close()
+    try:
+        assert r.poll(30), "the child sent nothing in 30 s"
+        reported = r.recv()
+        assert r.poll(30)
+        return reported, r.recv()
+    finally:
+        r.close()
+        p.join(30)
+        assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_child_reports_the_start_method_of_its_context(method):
+    # CPython's TestStartMethod.test_context: the context's method, not the default
+    ctx = mp.get_context(method)
+    assert _child_reports(ctx.Process, ctx.Pipe) == (method, "set")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_default_process_reports_the_method_set_in_its_parent(method):
+    # CPython's TestStartMethod.test_set_get: set_start_method(method, force=True), then
+    # the default Process's child reports it
+    before = mp.get_start_method()
+    mp.set_start_method(method, force=True)
+    try:
+        assert _child_reports(mp.Process, mp.Pipe) == (method, "set")
+    finally:
+        mp.set_start_method(None, force=True)
+    assert mp.get_start_method() == before

@@ -142,7 +142,9 @@ def test_the_server_imports_numpy_only_for_a_parent_that_did(parent_uses_numpy):
 def test_a_pool_server_forks_its_first_workers_before_it_imports_cloudpickle(tmp_path):
     """A fork server started for a pool imports cloudpickle (a third of its start) once it
     has forked the first workers and is idle: the script's functions go by name without
-    it. A first worker sent a lambda imports it itself; workers forked later have it."""
+    it. A first worker sent a lambda imports it itself; workers forked later have it.
+    (The script pauses between pools: on a 16-core machine pools came back to back faster
+    than the server's idle spell, and it never imported anything.)"""
     script = tmp_path / "idle_preload.py"
     script.write_text(
         textwrap.dedent(
@@ -160,6 +162,7 @@ def test_a_pool_server_forks_its_first_workers_before_it_imports_cloudpickle(tmp
                 deadline = time.monotonic() + 20
                 later = False
                 while not later and time.monotonic() < deadline:
+                    time.sleep(0.1)  # idle spells: a fast machine asks back to back
                     with procspawn.Pool(1, context="forkserver") as pool:
                         again, later = pool.apply(state, (0,))
                     assert again == server, (again, server)

@@ -116,6 +116,14 @@ def set_start_method(method: str | None, force: bool = False) -> None:
     _chosen = None if method is None else _check(method, "")
 
 
+def force_start_method(method: str) -> None:
+    """In a child: the method that started it becomes its start method, as
+    multiprocessing's children report theirs (``Process._bootstrap``); set, so a later
+    ``set_start_method`` needs ``force=True`` there too."""
+    global _chosen
+    _chosen = method
+
+
 def start_method_of(context: str | BaseContext | None) -> str:
     """The start method a pool's ``context`` argument names: a multiprocessing context
     (procspawn's or the stdlib's), a method name, or None (procspawn's default,
@@ -155,6 +163,7 @@ __all__ = [
     "GUARD_MARKER",
     "refuse_while_starting",
     "default_start_method",
+    "force_start_method",
     "get_start_method",
     "set_start_method",
     "start_method_of",

@@ -94,7 +94,6 @@ class _ProcessMixin:
     _args: Any
     _kwargs: Any
     _procspawn_calls: list[_Call]
-    _start_method: str | None  # the stdlib's: None for the default context's Process
     _procspawn_method: str
 
     def start(self) -> None:
@@ -110,7 +109,8 @@ class _ProcessMixin:
         _settings.check_all()  # a bad PROCSPAWN_* variable: its SettingError, first
         refuse_while_starting("Process.start()")  # (a child importing the main module)
         # what the child reports as its start method (see _bootstrap)
-        self._procspawn_method = self._start_method or get_start_method()
+        # (the stdlib's class attribute: None for the default context's Process)
+        self._procspawn_method = getattr(self, "_start_method", None) or get_start_method()
         calls: list[_Call] = []
         self._procspawn_calls = calls  # filled by __getstate__ if the process is pickled
         try:

@@ -197,9 +197,34 @@ def test_the_benchmark_data_makes_tables_and_plots(tmp_path):
     assert result.returncode == 0, result.stderr
     written = sorted(os.listdir(tmp_path))
     tables = [name for name in os.listdir(data) if name.endswith(".json")]
-    assert len([n for n in written if n.endswith(".md")]) == len(tables)
+    pool_runs = [name for name in tables if name.startswith("pool_")]  # one table, one plot
+    assert len(pool_runs) >= 2, pool_runs
+    assert len([n for n in written if n.endswith(".md")]) == len(tables) - len(pool_runs) + 1
     assert len([n for n in written if n.endswith(".png")]) >= 2
+    assert "bench_pool.md" in written and "bench_pool.png" in written
     with open(os.path.join(DOCS, "benchmarks.md"), encoding="utf-8") as f:
         page = f.read()
     for name in written:
         assert f"_generated/{name}" in page, f"{name} is not on the benchmarks page"
+
+
+def test_the_readme_picture_is_the_one_the_kept_figures_make():
+    """docs/_static/headline.svg is kept in the repository (the README shows it): it must be
+    what ``python benchmarks/plots.py`` makes from the figures in docs/benchmarks/."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_plots", os.path.join(DOCS, "_scripts", "bench_plots.py")
+    )
+    assert spec is not None and spec.loader is not None
+    plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plots)
+    runs = plots.pool_runs(os.path.join(DOCS, "benchmarks"))
+    with open(os.path.join(DOCS, "_static", "headline.svg"), encoding="utf-8") as f:
+        kept = f.read()
+    assert kept == plots.headline_svg(runs), "run: python benchmarks/plots.py"
+    for name in ("procspawn Pool", "stdlib Pool", "best peer"):
+        assert name in kept
+    with open(README, encoding="utf-8") as f:
+        readme = f.read()
+    assert 0 < readme.find("docs/_static/headline.svg") < readme.index("\n## "), (
+        "the picture is on the README's first screen, before its first section"
+    )

@@ -604,6 +604,10 @@ class Dispatcher:
                         return
                 else:
                     self._hand_out()
+                    if self.state == CLOSING and self._all_done():
+                        # the hand-out dropped the last tasks (cancelled, or unpicklable)
+                        # and nothing else will wake the wait: retire the workers now
+                        continue
                 for key, readable, writable in self._watcher.wait(self._timeout()):
                     self._quiet_since = time.monotonic()
                     kind, worker = key

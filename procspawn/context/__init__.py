@@ -7,7 +7,8 @@ Floors, each importing only from those below it (and from ``procspawn.sharing``)
     2  _watch: the one watcher (exits and channels in one epoll, stop with a grace
        period, describe an exit), used by spawn, the pools and ``procspawn run``;
        _worker: the child side of spawn; _ray: backend="ray"
-    1  launch/: how a process starts (start method, parent-death guard, early-output
+    1  _tags: the tags of what a child sends its parent (ranks and pool workers);
+       launch/: how a process starts (start method, parent-death guard, early-output
        Popen, fork server, one child under any start method); _errors; _progress
 """
 

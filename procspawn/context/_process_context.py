@@ -27,6 +27,7 @@ from .._output import OutputForwarder
 from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing.channels._fdpass import MessageReader
 from ..sharing.wire import _pickler
+from . import _tags
 from ._errors import (
     ProcessException,
     ProcessExitedException,
@@ -372,7 +373,7 @@ class ProcessContext(Generic[_R]):
                 rank,
                 pid,
             ) from exc
-        if message[0] == "ok":
+        if message[0] == _tags.RESULT:
             self._results[rank] = message[1]
             return
         _, exc_blob, text = message

@@ -8,7 +8,7 @@
             placement group of nprocs bundles {"CPU": 1}: every rank gets one or none starts
             one actor per bundle; ray.put((fn, args, kwargs)) once: each rank reads it from
                      the object store (zero-copy on one node: its arrays are read-only)
-            run(rank) on every actor  ──▶  ("ok", pickled result) | ("error", exc, traceback)
+            run(rank) on every actor  ──▶  (RESULT, pickled result) | (RAISED, exc, traceback)
             join: ray.wait on every rank at once; the first failure (a raise, or an actor
                   that died) stops the others (ray.kill) and removes the group
     close:  every actor killed, the group removed, our own cluster shut down once no
@@ -36,6 +36,7 @@ from typing import Any, Generic, TypeVar
 import cloudpickle
 
 from .. import _settings
+from . import _tags
 from ._errors import (
     ProcessException,
     ProcessExitedException,
@@ -150,7 +151,7 @@ class _Rank:
             except SystemExit as exc:  # as a process that exits: its code, no result
                 return ("exit", _exit_code(exc.code), None)
             what = f"the return value of rank {rank} could not be pickled: "
-            return ("ok", cloudpickle.dumps(result))
+            return (_tags.RESULT, cloudpickle.dumps(result))
         except BaseException as exc:  # KeyboardInterrupt included: it is a failure
             text = traceback.format_exc()
             if what:
@@ -159,7 +160,7 @@ class _Rank:
                 blob = cloudpickle.dumps(exc)
             except Exception:
                 blob = None
-            return ("error", blob, text)
+            return (_tags.RAISED, blob, text)
 
 
 def _exit_code(code: Any) -> int:
@@ -526,7 +527,7 @@ class RayContext(Generic[_R]):
                 rank,
                 pid,
             ) from exc
-        if outcome[0] == "ok":
+        if outcome[0] == _tags.RESULT:
             try:
                 self._results[rank] = pickle.loads(outcome[1])
             except Exception as exc:

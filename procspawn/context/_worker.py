@@ -1,7 +1,7 @@
 """The child side of ``spawn``: run ``fn(rank, *args)`` and report back on the rank's channel.
 
-The channel carries exactly one message, ``("ok", result)`` or
-``("err", pickled exception or None, traceback text)``. Exiting on ``sys.exit(n)`` or a
+The channel carries exactly one message, ``(RESULT, result)`` or
+``(RAISED, pickled exception or None, traceback text)`` (``_tags``). Exiting on ``sys.exit(n)`` or a
 signal sends nothing; the parent reads the exit code instead.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 from ..sharing import _message
 from ..sharing.channels._fdpass import send_message
 from ..sharing.wire import _pickler
+from . import _tags
 from .launch import _posix
 
 
@@ -59,7 +60,7 @@ def main(
         try:
             durable = _message.set_durable(True)  # read after this rank exited
             try:
-                message = _pickler.dumps(("ok", result))
+                message = _pickler.dumps((_tags.RESULT, result))
             finally:
                 _message.set_durable(durable)
         except BaseException as exc:
@@ -140,7 +141,7 @@ def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> Non
         exc_blob: bytes | None = cloudpickle.dumps(exc)
     except BaseException:
         exc_blob = None
-    message = _pickler.dumps(("err", exc_blob, text))
+    message = _pickler.dumps((_tags.RAISED, exc_blob, text))
     try:
         send_message(channel, message.data, message.fds)
     except OSError:

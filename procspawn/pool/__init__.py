@@ -6,16 +6,19 @@ program, as loky's does. All three run on one dispatcher (``_dispatcher``): each
 its own channel, the parent hands out tasks, and one thread watches every worker, so a
 death fails exactly what it must and never hangs a caller.
 
-Levels (each module says its own in its first line), each importing only those below it:
+Levels, each module importing only from those below it (this table is the only place
+that states them):
 
-    5  _reusable: get_reusable_executor
-    4  _executor: ProcessPoolExecutor (it takes _pool's start-method reading)
-    3  _pool: Pool and its results
-    2  _dispatcher: hands out tasks, reads results, watches and replaces workers
-    1  _worker: the loop a worker runs;  _errors: TaskTimeoutError;
-       _broken: TerminatedWorkerError, InitializerError (BrokenProcessPool subclasses,
-       imported by a pool's thread after its start: concurrent.futures.process costs
-       ~7 ms of start-up)
+    6  _reusable: get_reusable_executor
+    5  _executor: ProcessPoolExecutor
+    4  _pool: Pool and its results
+    3  _dispatcher: the one thread that hands out tasks, reads results, watches and
+       replaces workers
+    2  _tasks: Task, and Job, what the front ends implement
+    1  _worker: the loop a worker runs;  _failures: how failures are worded, option
+       checks;  _errors: TaskTimeoutError;  _broken: TerminatedWorkerError,
+       InitializerError (BrokenProcessPool subclasses, imported by a pool's thread after
+       its start: concurrent.futures.process costs ~7 ms of start-up)
 """
 
 from __future__ import annotations

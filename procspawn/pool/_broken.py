@@ -1,4 +1,4 @@
-"""Level 1: the errors of a broken pool, ``concurrent.futures``' ``BrokenProcessPool``s
+"""The errors of a broken pool, ``concurrent.futures``' ``BrokenProcessPool``s
 (built on ``context._errors``).
 
 Apart from ``_errors`` because ``concurrent.futures.process`` costs ~7 ms to import on

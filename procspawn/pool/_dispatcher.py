@@ -1,4 +1,4 @@
-"""Level 2: the parent side of a pool: one thread hands out tasks to the workers and watches them.
+"""The parent side of a pool: one thread hands out tasks to the workers and watches them.
 
 ::
 
@@ -40,8 +40,8 @@ from multiprocessing import util as _mp_util  # noqa: F401 (see atexit.register 
 from multiprocessing.process import BaseProcess
 
 from .. import _log
-from .._late import late_import
 from .._output import OutputForwarder
+from ..context import _tags
 from ..context._errors import ProcessExitedException, ctrl_c
 from ..context._watch import (
     UNKNOWN_EXIT_CODE,
@@ -76,6 +76,15 @@ from ..sharing.channels._startup import StartupMessage
 from ..sharing.wire import _main_names, _pickler
 from . import _worker
 from ._errors import TaskTimeoutError
+from ._failures import (
+    BROKEN,
+    BROKEN_QUIET,
+    broken_errors,
+    out_of_descriptors,
+    remote_error,
+    unpickling_error,
+)
+from ._tasks import Job, Task, settle
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
@@ -92,8 +101,6 @@ _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _PREFETCH_BELOW = 0.01
 _RUN_TIMES_KEPT = 64  # functions whose run times the dispatcher keeps, the latest used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
-_BROKEN_QUIET = 0.005  # seconds without an event before an executor imports _broken
-_BROKEN = "procspawn.pool._broken"
 _STRATEGY = "procspawn.sharing.segments._strategy"
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
@@ -108,82 +115,11 @@ def _sharing_snapshot() -> dict[str, Any] | None:
     return None if strategy is None else strategy.snapshot()
 
 
-class Task:
-    """One message's worth of work: a call, or a chunk of a map."""
-
-    __slots__ = ("job", "index", "kind", "payload", "deaths", "settled")
-
-    def __init__(self, job: Job, index: int, kind: int, payload: Any) -> None:
-        self.job = job
-        self.index = index
-        self.kind = kind
-        self.payload = payload
-        self.deaths = 0  # workers that died running it (it is retried up to ``retries``)
-        # its job was told its outcome: never handed out again (one killed while queued
-        # behind another call stays in its worker's list until that worker answers or
-        # dies, and must not run elsewhere then)
-        self.settled = False
-
-
-class Job:
-    """What callers wait on. The dispatcher calls ``start`` before it hands a task out
-    (False: drop it, it was cancelled) and ``settle`` with each task's outcome."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, fn: Any) -> None:
-        self.id = next(self._ids)
-        self.fn = fn
-        self.abandoned = False
-
-    def start(self, task: Task) -> bool:
-        return not self.abandoned
-
-    def cancel(self, task: Task) -> None:
-        """The task will not run (``shutdown(cancel_futures=True)``)."""
-
-    def settle(self, task: Task, ok: bool, value: Any) -> None:
-        raise NotImplementedError
-
-    def describe(self, task: Task) -> str:
-        """A short repr of the call a task makes, for error messages."""
-        return describe_call(self.fn, task.kind, task.payload)
-
-    def describe_fn(self) -> str:
-        return _name_of(self.fn)
-
-
 def _has_exited(worker: _Worker) -> bool:
     """Whether ``worker``'s exit handle says it is gone, without waiting."""
     poller = select.poll()
     poller.register(worker.exit_fd, select.POLLIN)
     return any(events & (select.POLLIN | select.POLLHUP) for _, events in poller.poll(0))
-
-
-def _name_of(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def describe_call(fn: Any, kind: int, payload: Any) -> str:
-    import reprlib
-
-    r = reprlib.Repr()
-    r.maxstring, r.maxother, r.maxlist, r.maxtuple, r.maxdict = 40, 40, 3, 3, 3
-    name = _name_of(fn)
-    if payload is None:
-        return f"{name}(...)"
-    if kind == _worker.APPLY:
-        args, kwargs = payload
-        parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
-        return f"{name}({', '.join(parts)})"
-    items = list(payload)
-    calls = [
-        f"{name}({', '.join(r.repr(a) for a in item) if kind == _worker.STARMAP else r.repr(item)})"
-        for item in items[:2]
-    ]
-    if len(items) > 2:
-        calls.append(f"... ({len(items)} calls in this chunk)")
-    return ", ".join(calls)
 
 
 class _Worker:
@@ -312,9 +248,9 @@ class Dispatcher:
         self._startup_failures = 0
         self._init_failed: BaseException | None = None  # an initializer raised: breaking
         # an executor's thread imports the errors of a broken pool ahead of a death, once a
-        # worker has answered and the thread then had nothing to do for _BROKEN_QUIET (a
+        # worker has answered and the thread then had nothing to do for BROKEN_QUIET (a
         # Pool's only such error, an initializer's, comes as it starts): see _broken_errors
-        self._broken_ahead = break_on_death and _BROKEN not in sys.modules
+        self._broken_ahead = break_on_death and BROKEN not in sys.modules
         self._answers = 0
         self._quiet_since = time.monotonic()
         self._feeders = 0
@@ -327,7 +263,7 @@ class Dispatcher:
         try:
             self._watcher = Watcher()
         except OSError as exc:
-            error = _out_of_descriptors(exc, f"procspawn.{kind} could not be made")
+            error = out_of_descriptors(exc, f"procspawn.{kind} could not be made")
             if error is exc:
                 raise
             raise error from exc
@@ -364,7 +300,7 @@ class Dispatcher:
             for worker in list(self._workers.values()):
                 self._forget_worker(worker)
             self._release()
-            error = _out_of_descriptors(exc, f"procspawn.{kind} could not start its workers")
+            error = out_of_descriptors(exc, f"procspawn.{kind} could not start its workers")
             if error is exc:
                 raise
             raise error from exc
@@ -453,17 +389,17 @@ class Dispatcher:
                     if index == 0:
                         self._doom(worker, error)
                     else:
-                        _settle(task, False, error)
+                        settle(task, False, error)
 
         self.request(act)
 
-    def cancel_pending(self) -> None:
+    def cancel_pending(self, keep_none: bool = False) -> None:
         """Drop the tasks not handed out yet, telling their jobs, but for those that
         workers free or starting take next (as the stdlib's executor keeps what is in its
-        call queue)."""
+        call queue), unless ``keep_none``."""
         with self._lock:
             busy = sum(1 for w in list(self._workers.values()) if w.tasks)
-            keep = max(0, self.size - busy)
+            keep = 0 if keep_none else max(0, self.size - busy)
             pending = list(self._pending)
             dropped = pending[keep:]
             self._pending = collections.deque(pending[:keep])
@@ -656,16 +592,16 @@ class Dispatcher:
                 if not w.tasks and not w.stopping
             ]
         if self._broken_ahead and self._answers:
-            times.append(self._quiet_since + _BROKEN_QUIET)
+            times.append(self._quiet_since + BROKEN_QUIET)
         if not times:
             return None
         return max(0.0, min(times) - now)
 
     def _on_timers(self) -> None:
         now = time.monotonic()
-        if self._broken_ahead and self._answers and now - self._quiet_since >= _BROKEN_QUIET:
+        if self._broken_ahead and self._answers and now - self._quiet_since >= BROKEN_QUIET:
             self._broken_ahead = False
-            _broken_errors()  # now, while the program runs and the thread is idle
+            broken_errors()  # now, while the program runs and the thread is idle
         for worker in list(self._workers.values()):
             if worker.kill_at is not None and now >= worker.kill_at:
                 send_signal(worker.proc, signal.SIGKILL)
@@ -763,7 +699,7 @@ class Dispatcher:
                 if isinstance(exc, EOFError):  # the fork server closed on us: it is gone
                     exc = OSError(errno.EPIPE, "the fork server exited while starting it")
                 what = "the pool could not start a worker process"
-                error = _out_of_descriptors(exc, what)
+                error = out_of_descriptors(exc, what)
                 if error is exc:
                     error = OSError(exc.errno, f"{what}: {exc.strerror}")
                 else:
@@ -865,7 +801,7 @@ class Dispatcher:
             tasks = list(worker.tasks)
             worker.tasks.clear()
             for task in tasks:
-                _settle(task, False, error)
+                settle(task, False, error)
         self._drop_pending(lambda task: True, error)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -884,7 +820,7 @@ class Dispatcher:
                 self._pending = collections.deque(t for t in self._pending if not which(t))
         if error is not None:
             for task in dropped:
-                _settle(task, False, error)
+                settle(task, False, error)
 
     def _forget_worker(self, worker: _Worker) -> None:
         self._workers.pop(worker.slot, None)
@@ -1000,7 +936,7 @@ class Dispatcher:
             with _main_names.sending_to(worker.main_index):
                 message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
         except BaseException as exc:
-            _settle(task, False, exc)  # the pickler's error names what failed
+            settle(task, False, exc)  # the pickler's error names what failed
             return None
         if fn is not None:
             if forget is not None:
@@ -1084,7 +1020,7 @@ class Dispatcher:
         self._answered(worker)
         error = FdLimitError(f"the result of {task.job.describe(task)} could not be received")
         error.__cause__ = exc
-        _settle(task, False, error)
+        settle(task, False, error)
         self._done_with(worker)
 
     def _on_message(self, worker: _Worker, data: bytes, fds: list[int]) -> None:
@@ -1095,36 +1031,36 @@ class Dispatcher:
                 return
             task = worker.tasks.popleft()
             self._answered(worker)
-            _settle(task, False, _unpickling_error(task, worker, exc))
+            settle(task, False, unpickling_error(task, worker.pid, exc))
             self._done_with(worker)
             return
         tag = message[0]
-        if tag == "s":
+        if tag == _tags.STARTED:
             worker.running = True
             worker.started_at = time.monotonic()
             if self.task_timeout is not None and worker.kill_at is None:  # not being stopped
                 worker.deadline = time.monotonic() + self.task_timeout
-        elif tag == "r":
+        elif tag == _tags.RESULT:
             task = worker.tasks.popleft()
             self._note_run_time(worker, task)
             self._answered(worker)
             self._output.forward_now(worker.slot)  # what the task printed comes first
-            _settle(task, True, message[1])
+            settle(task, True, message[1])
             self._done_with(worker)
-        elif tag == "e":
+        elif tag == _tags.RAISED:
             task = worker.tasks.popleft()
             self._note_run_time(worker, task)
             self._answered(worker)
             self._output.forward_now(worker.slot)
-            _settle(task, False, remote_error(message[1], message[2], self.break_on_death))
+            settle(task, False, remote_error(message[1], message[2], self.break_on_death))
             self._done_with(worker)
-        elif tag == "R":
+        elif tag == _tags.READY:
             worker.ready = True
             if len(message) > 1:  # spawn, forkserver: what its main module has
                 worker.main_index = message[1]
             self._startup_failures = 0
-        elif tag == "I":
-            broken = _broken_errors()
+        elif tag == _tags.INIT_FAILED:
+            broken = broken_errors()
             error = (broken.InitializerError if broken else RuntimeError)(
                 f"the pool's initializer raised in worker pid {worker.pid}; the pool cannot "
                 f"run tasks. Fix the initializer (or catch the error in it). Its "
@@ -1245,9 +1181,9 @@ class Dispatcher:
             verdict = worker.verdict
             if verdict is not None and verdict[0] in tasks:  # killed before it started
                 tasks.remove(verdict[0])
-                _settle(verdict[0], False, verdict[1])
+                settle(verdict[0], False, verdict[1])
             if running is not None and verdict is not None and verdict[0] is running:
-                _settle(running, False, verdict[1])  # timed out, or killed by the caller
+                settle(running, False, verdict[1])  # timed out, or killed by the caller
             # stopped on purpose: a task it was running belonged to an abandoned job
             elif running is not None and not running.job.abandoned:
                 tasks.insert(0, running)
@@ -1279,7 +1215,7 @@ class Dispatcher:
         if not worker.ready and running is None:
             self._startup_failures += 1
             if self._startup_failures >= _STARTUP_FAILURES:
-                errors = _broken_errors()
+                errors = broken_errors()
                 broken = (errors.InitializerError if errors else RuntimeError)(
                     f"{_STARTUP_FAILURES} pool workers in a row died before they were "
                     f"ready; the pool cannot run tasks. The last one: {error.msg}"
@@ -1295,7 +1231,7 @@ class Dispatcher:
             self._break(self._broken_error(error))
             return
         if running is not None:
-            _settle(running, False, error)
+            settle(running, False, error)
         self._requeue(tasks)
         self._fill()
 
@@ -1340,7 +1276,7 @@ class Dispatcher:
         return ProcessExitedException(msg, worker.slot, worker.pid, code, name)
 
     def _broken_error(self, error: ProcessExitedException) -> BaseException:
-        broken = _broken_errors()
+        broken = broken_errors()
         if broken is None:
             return error  # (see _broken_errors) the same words, a ProcessExitedException
         terminated: BaseException = broken.TerminatedWorkerError(
@@ -1352,38 +1288,6 @@ class Dispatcher:
             error.signal_name,
         )
         return terminated
-
-
-def _broken_errors() -> Any:
-    """``_broken``, the errors of a broken pool (concurrent.futures' BrokenProcessPool),
-    imported now if need be; None if it cannot be.
-
-    A pool does not import it as it starts (concurrent.futures.process: ~7 ms of a pool's
-    start); an executor's thread does once a worker has answered and the thread has had
-    nothing to do for _BROKEN_QUIET seconds (never within a short program's start, one
-    result and shut-down), and any pool at its first break. That module registers a hook
-    with ``threading`` as it is imported, which Python refuses once the main thread has
-    ended (a pool still running then: its program leaves without closing it, and a worker
-    dies or an initializer raises before the thread imported the module); then it is
-    imported without that hook. None if even that fails, and the callers get an error
-    that says the same in other words (a ProcessExitedException, a RuntimeError for an
-    initializer's)."""
-    try:
-        return late_import(_BROKEN)  # (a fork waits for it: see _late)
-    except RuntimeError:  # "can't register atexit after shutdown"
-        pass
-    # The hook only tells the stdlib's own executors to stop, and there are none (that
-    # module was not imported before): import it without, as every registration fails now.
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        return None
-    threading._register_atexit = _no_exit_hook  # type: ignore[attr-defined]
-    try:
-        return late_import(_BROKEN)
-    except RuntimeError:
-        return None
-    finally:
-        threading._register_atexit = register  # type: ignore[attr-defined]
 
 
 def _ref_to(obj: Any) -> Callable[[], Any] | None:
@@ -1398,34 +1302,6 @@ def _ref_to(obj: Any) -> Callable[[], Any] | None:
         return None
 
 
-def _no_exit_hook(*args: Any, **kwargs: Any) -> None:
-    pass
-
-
-def check_options(task_timeout: Any, retries: Any, max_memory_per_child: Any) -> None:
-    """Refuse bad values of the options procspawn's pools add, in the caller."""
-    if task_timeout is not None and (
-        isinstance(task_timeout, bool)
-        or not isinstance(task_timeout, (int, float))
-        or not task_timeout > 0
-    ):
-        raise ValueError(
-            f"task_timeout must be a number of seconds > 0 (or None: no limit), got "
-            f"{task_timeout!r}"
-        )
-    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-        raise ValueError(f"retries must be an int >= 0, got {retries!r}")
-    if max_memory_per_child is not None and (
-        isinstance(max_memory_per_child, bool)
-        or not isinstance(max_memory_per_child, int)
-        or max_memory_per_child <= 0
-    ):
-        raise ValueError(
-            f"max_memory_per_child must be a number of bytes (an int > 0, e.g. 2 << 30 for "
-            f"2 GiB) or None, got {max_memory_per_child!r}"
-        )
-
-
 def _resident_bytes(pid: int) -> int:
     """A process' resident memory (0 if it is gone)."""
     try:
@@ -1436,58 +1312,6 @@ def _resident_bytes(pid: int) -> int:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _settle(task: Task, ok: bool, value: Any) -> None:
-    job = task.job
-    task.payload = None
-    task.settled = True
-    try:
-        job.settle(task, ok, value)
-    except Exception:
-        _log.exception("procspawn: a pool result callback raised")
-
-
-def remote_error(exc: BaseException | None, text: str, executor: bool = False) -> BaseException:
-    """The exception a task raised, with the worker's traceback as its cause, of the
-    type the stdlib's Pool or executor gives."""
-    if executor:
-        from concurrent.futures.process import _RemoteTraceback as RemoteTraceback
-    else:
-        # typeshed leaves out multiprocessing.pool's RemoteTraceback (the same shape: an
-        # exception holding the traceback text)
-        from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined,no-redef]
-
-    if exc is None:
-        exc = RuntimeError(
-            "the task raised an exception that could not be sent back to the parent; "
-            "its traceback:\n" + text
-        )
-    # typeshed has _RemoteTraceback take a TracebackType; both classes take the text
-    exc.__cause__ = RemoteTraceback(text)  # type: ignore[arg-type]
-    return exc
-
-
-def _out_of_descriptors(exc: BaseException, what: str) -> BaseException:
-    """``exc`` as an FdLimitError (which says what holds descriptors and what to do) when it
-    is this process being out of them (EMFILE) as a pool starts workers, else ``exc``."""
-    if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
-        if isinstance(exc, FdLimitError):
-            return exc
-        return FdLimitError(f"{what} (a worker's channel and pipes need some)")
-    return exc
-
-
-def _unpickling_error(task: Task, worker: _Worker, exc: BaseException) -> BaseException:
-    import pickle
-
-    err = pickle.UnpicklingError(
-        f"the result of {task.job.describe(task)} sent by worker pid {worker.pid} could not "
-        f"be unpickled in the parent: {type(exc).__name__}: {exc}. Return plain data (or "
-        f"objects whose classes the parent can import)"
-    )
-    err.__cause__ = exc
-    return err
 
 
 _live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
@@ -1520,4 +1344,4 @@ def _at_exit() -> None:
 # runs first (atexit runs the last registered first): that one terminates every daemonic
 # child at once, and an executor's workers would not finish their work.
 atexit.register(_at_exit)
-__all__ = ["Dispatcher", "Job", "Task", "remote_error"]
+__all__ = ["Dispatcher"]

@@ -1,4 +1,4 @@
-"""Level 1: the exceptions the pools raise besides the tasks' own, but for a broken pool's
+"""The exceptions the pools raise besides the tasks' own, but for a broken pool's
 (``_broken``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Level 4: ``procspawn.ProcessPoolExecutor``: a ``concurrent.futures.Executor`` on the dispatcher.
+"""``procspawn.ProcessPoolExecutor``: a ``concurrent.futures.Executor`` on the dispatcher.
 
 As ``concurrent.futures.ProcessPoolExecutor``: ``submit`` returns a Future, ``map`` an
 iterator of results in order, and a worker that dies unexpectedly breaks the executor:
@@ -28,7 +28,9 @@ from ..context._errors import ctrl_c, ctrl_c_in_caller
 from ..context._progress import Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
 from . import _worker
-from ._dispatcher import Dispatcher, Job, Task, check_options
+from ._dispatcher import Dispatcher
+from ._failures import check_options
+from ._tasks import Job, Task
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
@@ -111,23 +113,40 @@ class _CallJob(Job):
 
 
 class _ChunksJob(Job):
-    """``map``: one future per chunk, the function sent once per worker."""
+    """``map``: one future per chunk, by the chunk's index, the function sent once per
+    worker. A future is let go once its chunk settled (a ``buffersize`` map over an
+    endless input keeps only the chunks in flight)."""
 
-    def __init__(self, fn: Any, futures: list[_cf.Future[Any]], progress: Progress | None) -> None:
+    def __init__(self, fn: Any, progress: Progress | None) -> None:
         super().__init__(fn)
-        self.futures = futures
+        self.futures: dict[int, _cf.Future[Any]] = {}
         self.progress = progress
+        self._added = 0
+
+    def add(self, count: int) -> tuple[int, list[_cf.Future[Any]]]:
+        """The index of the first of the next ``count`` chunks, and their futures."""
+        first = self._added
+        self._added += count
+        added: list[_cf.Future[Any]] = [_cf.Future() for _ in range(count)]
+        self.futures.update(zip(range(first, self._added), added, strict=True))
+        return first, added
 
     def start(self, task: Task) -> bool:
-        return _start(self.futures[task.index])
+        future = self.futures.get(task.index)
+        return future is not None and _start(future)
 
     def cancel(self, task: Task) -> None:
-        _cancel(self.futures[task.index])
+        future = self.futures.pop(task.index, None)
+        if future is not None:
+            _cancel(future)
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
+        future = self.futures.pop(task.index, None)
+        if future is None:
+            return
         if ok and self.progress is not None:
             self.progress._add(len(value))
-        _set(self.futures[task.index], ok, value)
+        _set(future, ok, value)
 
 
 def _kill(dispatcher: Dispatcher, job_ref: weakref.ref[Job]) -> None:
@@ -328,6 +347,7 @@ class ProcessPoolExecutor(_cf.Executor):
         *iterables: Iterable[object],
         timeout: float | None = None,
         chunksize: int = 1,
+        buffersize: int | None = None,
         progress: bool | int | Progress | None = None,
     ) -> Iterator[_T]:
         """``map(fn, *iterables)`` run in the workers, ``chunksize`` calls per message;
@@ -336,8 +356,11 @@ class ProcessPoolExecutor(_cf.Executor):
         ``progress`` (True, an int total or a ``procspawn.Progress``): a bar counting
         finished calls, redrawn while the iterator waits.
 
-        The iterables are read whole, at once, and every chunk is submitted; an
-        iterator closed or dropped after its first value cancels the chunks not started.
+        Without ``buffersize`` the iterables are read whole, at once, and every chunk is
+        submitted. With it (Python 3.14's argument, here on every Python), they are read
+        as the results are taken: at most ``buffersize`` chunks are submitted and not yet
+        yielded, so an endless iterator works and memory stays bounded. An iterator
+        closed or dropped after its first value cancels the chunks not started.
 
         Args:
             fn: called as ``fn(*items)``, one item of each iterable.
@@ -345,45 +368,57 @@ class ProcessPoolExecutor(_cf.Executor):
             timeout: seconds after this call by which each result must be there; None:
                 no limit.
             chunksize: calls per task (one message each way).
+            buffersize: at most this many chunks submitted ahead of the results taken;
+                None: all at once.
             progress: True, an int total or a ``procspawn.Progress``.
 
         Returns:
             An iterator of the values, in order.
 
         Raises:
-            ValueError: ``chunksize`` < 1.
+            ValueError: ``chunksize`` < 1, or ``buffersize`` < 1.
+            TypeError: ``buffersize`` is not an int or None.
             concurrent.futures.process.BrokenProcessPool: a worker died before (the
                 executor is broken).
             RuntimeError: after ``shutdown()``.
         """
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
+        if buffersize is not None and not isinstance(buffersize, int):
+            raise TypeError("buffersize must be an integer or None")
+        if buffersize is not None and buffersize < 1:
+            raise ValueError("buffersize must be None or > 0")
         shown = as_progress(progress)
         end_time = None if timeout is None else timeout + time.monotonic()
-        chunks: list[Any] = []
-        kind = _worker.STARMAP
-        if len(iterables) == 1 and type(iterables[0]) is range:
-            # a range stays one: its chunks are ranges, a few bytes each on the wire
-            kind, whole = _worker.MAP, iterables[0]
-            chunks = [whole[i : i + chunksize] for i in range(0, len(whole), chunksize)]
-        else:
-            items = zip(*iterables, strict=False)
-            while True:
-                chunk = list(itertools.islice(items, chunksize))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        futures: list[_cf.Future[list[_T]]] = [_cf.Future() for _ in chunks]
-        if shown is not None:
-            shown._count_here(sum(len(chunk) for chunk in chunks))
-        stop: Callable[[], None] | None = None
-        with self._shutdown_lock:
-            self._check_open()
-            if chunks:
-                job = _ChunksJob(fn, futures, shown)
-                self._dispatcher.submit(Task(job, n, kind, chunk) for n, chunk in enumerate(chunks))
-                stop = functools.partial(_kill, self._dispatcher, weakref.ref(job))
-        return _results(list(futures), end_time, shown, stop, self._dispatcher)
+        kind, chunks = _chunks(iterables, chunksize)
+        job = _ChunksJob(fn, shown)
+        dispatcher = self._dispatcher
+        executor = weakref.ref(self)  # the executor can be collected while a map is read
+
+        def submit(count: int | None, initial: bool = False) -> list[_cf.Future[Any]]:
+            """The futures of the next ``count`` chunks (None: all), submitted."""
+            owner = executor()
+            if owner is None:  # collected: no more is read, as the stdlib's map does
+                return []
+            taken = list(chunks if count is None else itertools.islice(chunks, count))
+            if not taken and not initial:
+                return []
+            with owner._shutdown_lock:
+                owner._check_open()
+                if not taken:
+                    return []
+                first, futures = job.add(len(taken))
+                if shown is not None:
+                    shown._count_here(sum(len(chunk) for chunk in taken))
+                dispatcher.submit(
+                    Task(job, first + n, kind, chunk) for n, chunk in enumerate(taken)
+                )
+            return futures
+
+        futures = submit(buffersize, initial=True)
+        more = None if buffersize is None else functools.partial(submit, 1)
+        stop = functools.partial(_kill, dispatcher, weakref.ref(job))
+        return _results(futures, end_time, shown, stop, dispatcher, more)
 
     @ctrl_c_in_caller
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -401,6 +436,28 @@ class ProcessPoolExecutor(_cf.Executor):
         if wait:
             self._dispatcher.join()
 
+    def terminate_workers(self) -> None:
+        """Stop every worker now with SIGTERM (Python 3.14's method, here on every
+        Python): the calls not started are cancelled, those running fail with
+        ``BrokenProcessPool``, and the executor takes no more calls. Returns at once; a
+        worker still there after the grace period (``PROCSPAWN_GRACE_PERIOD``) is killed.
+        """
+        self._force_shutdown("terminate_workers()", None)
+
+    def kill_workers(self) -> None:
+        """As ``terminate_workers()``, with SIGKILL (Python 3.14's method, here on every
+        Python)."""
+        self._force_shutdown("kill_workers()", 0.0)
+
+    def _force_shutdown(self, how: str, grace: float | None) -> None:
+        with self._shutdown_lock:
+            self._shutdown = True
+        self._dispatcher.cancel_pending(keep_none=True)
+        from concurrent.futures.process import BrokenProcessPool  # (imports at first use)
+
+        error = BrokenProcessPool(f"the executor's workers were stopped by {how}")
+        self._dispatcher.terminate(grace, error=error, wait=False)
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -416,18 +473,33 @@ class ProcessPoolExecutor(_cf.Executor):
             self.shutdown(wait=True)
 
 
+def _chunks(iterables: tuple[Iterable[object], ...], chunksize: int) -> tuple[int, Iterator[Any]]:
+    """How map's tasks call the function, and its chunks, read lazily."""
+    if len(iterables) == 1 and type(iterables[0]) is range:
+        # a range stays one: its chunks are ranges, a few bytes each on the wire
+        whole = iterables[0]
+        return _worker.MAP, (whole[i : i + chunksize] for i in range(0, len(whole), chunksize))
+    items = zip(*iterables, strict=False)
+    return _worker.STARMAP, iter(lambda: list(itertools.islice(items, chunksize)), [])
+
+
 def _results(
     futures: list[_cf.Future[list[_T]]],
     end_time: float | None,
     progress: Progress | None = None,
     stop: Callable[[], None] | None = None,
     dispatcher: Dispatcher | None = None,
+    more: Callable[[], list[_cf.Future[Any]]] | None = None,
 ) -> Iterator[_T]:
     """map's values in order; nothing of a value is held once it was yielded. Ctrl-C
-    while it waits calls ``stop`` (the map's chunks still running are killed)."""
+    while it waits calls ``stop`` (the map's chunks still running are killed). ``more``
+    (a ``buffersize`` map): submits the next chunk before each chunk's values are
+    waited for, and returns its future (none once the input is read)."""
     try:
         futures.reverse()
         while futures:
+            if more is not None:
+                futures[:0] = more()
             future = futures[-1]
             if dispatcher is not None and not future.done():
                 dispatcher.check_not_serving()

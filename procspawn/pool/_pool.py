@@ -1,4 +1,4 @@
-"""Level 3: ``procspawn.Pool``: ``multiprocessing.pool.Pool``'s interface on procspawn's dispatcher.
+"""``procspawn.Pool``: ``multiprocessing.pool.Pool``'s interface on procspawn's dispatcher.
 
 What differs from the stdlib's is what happens when things go wrong: a worker that dies
 (any signal, ``os._exit``, a segfault, the OOM killer) fails exactly the task it was
@@ -32,7 +32,9 @@ from ..context._progress import TICK, Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
 from ..sharing._errors import descriptors_used_past, raise_fd_limit
 from . import _worker
-from ._dispatcher import Dispatcher, Job, Task, check_options
+from ._dispatcher import Dispatcher
+from ._failures import check_options
+from ._tasks import Job, Task
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Level 5: ``get_reusable_executor()``: one executor per program, reused by every call, as loky's.
+"""``get_reusable_executor()``: one executor per program, reused by every call, as loky's.
 
 Calls with the same settings return the same executor, resized in place when only
 ``max_workers`` differs (so a thread holding it never finds it shut down under it, the race

@@ -1,22 +1,26 @@
-"""Level 1: the child side of a pool: one worker's loop, reading tasks from its own channel.
+"""The child side of a pool: one worker's loop, reading tasks from its own channel.
 
 Each worker has a channel of its own (a socketpair with the parent); nothing is shared
 between workers, so a worker's death can leave nothing half-written. Messages::
 
     parent -> worker   (fn key, fn or None, fn key to forget or None, kind, payload)
                        None: exit now (the pool is closing)
-    worker -> parent   ("R",)                        ready: the initializer ran
-                       ("R", index)                  the same, from a worker not forked:
+    worker -> parent   (READY,)                      ready: the initializer ran
+                       (READY, index)                the same, from a worker not forked:
                                                      what its main module has, which
                                                      the parent then sends by name
-                       ("s",)                        a task arrived and starts now
-                       ("I", exception or None, text)  the initializer raised; exits 1
-                       ("r", value)                  a task's result
-                       ("e", exception or None, text)  a task raised (text: its traceback)
+                       (STARTED,)                    a task arrived and starts now
+                       (INIT_FAILED, exception or None, text)  the initializer raised;
+                                                     exits 1
+                       (RESULT, value)               a task's result
+                       (RAISED, exception or None, text)  a task raised (text: its
+                                                     traceback)
+
+(the tags: ``context._tags``, the ranks' too)
 
 A task's function is sent with the first task that calls it which this worker gets, and
 kept (under a key the parent chose) until the parent names it in "forget". Results go
-back in the order the tasks came, so the parent knows which task each answers; "s", sent
+back in the order the tasks came, so the parent knows which task each answers; STARTED, sent
 as a task is taken off the channel (before it is even unpickled), tells it whether a
 worker that died was running one or had only tasks it never started (those run
 elsewhere).
@@ -34,6 +38,7 @@ import socket
 import sys
 import types
 
+from ..context import _tags
 from ..context.launch import _posix
 from ..sharing import _message
 from ..sharing._errors import ChannelClosed, FdLimitError
@@ -51,8 +56,8 @@ except ImportError:  # pragma: no cover - not CPython
     _set_handler = signal.signal
 
 APPLY, MAP, STARMAP = 0, 1, 2
-_READY = pickle.dumps(("R",), pickle.HIGHEST_PROTOCOL)
-_STARTED = pickle.dumps(("s",), pickle.HIGHEST_PROTOCOL)
+_READY = pickle.dumps((_tags.READY,), pickle.HIGHEST_PROTOCOL)
+_STARTED = pickle.dumps((_tags.STARTED,), pickle.HIGHEST_PROTOCOL)
 _EXIT = pickle.dumps(None, pickle.HIGHEST_PROTOCOL)  # what the parent sends to say "exit"
 # what the parent's main module has of this one's (see _main_names): a forked worker's
 # inherited main module is its parent's, so its functions and classes go back by name
@@ -105,7 +110,7 @@ def main(
                 logging.getLogger("concurrent.futures").critical(
                     "Exception in initializer:", exc_info=True
                 )
-            _send_error(channel, "I", exc)
+            _send_error(channel, _tags.INIT_FAILED, exc)
             sys.exit(1)
         try:
             if forked:
@@ -113,7 +118,7 @@ def main(
                 _parent_has = _main_names.INHERITED
                 send_message(channel, _READY)
             else:
-                ready = ("R", _main_names.main_index())
+                ready = (_tags.READY, _main_names.main_index())
                 send_message(channel, pickle.dumps(ready, pickle.HIGHEST_PROTOCOL))
             _serve(channel, max_tasks, executor)
         except (ChannelClosed, BrokenPipeError, ConnectionResetError):
@@ -182,7 +187,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             _pickler.give_back_unreceived(exc)
             send_message(channel, _STARTED)
             what = f"the arguments of a task could not be received ({exc.what})"
-            _send_error(channel, "e", FdLimitError(what))
+            _send_error(channel, _tags.RAISED, FdLimitError(what))
             done += 1
             continue
         except (ChannelClosed, OSError):
@@ -194,7 +199,8 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         except SystemExit:
             raise
         except BaseException as exc:
-            _send_error(channel, "e", exc, "the task could not be unpickled in the worker: ")
+            unpickling = "the task could not be unpickled in the worker: "
+            _send_error(channel, _tags.RAISED, exc, unpickling)
             done += 1
             continue
         if task is None:
@@ -221,15 +227,15 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             if isinstance(exc, SystemExit) and not executor:
                 raise
             del fn, payload
-            _send_error(channel, "e", exc)
+            _send_error(channel, _tags.RAISED, exc)
             continue
         try:
             with _main_names.sending_to(_parent_has):
-                message = _pickler.dumps(("r", value))
+                message = _pickler.dumps((_tags.RESULT, value))
         except BaseException as exc:
             error = _encoding_error(exc, value, fn, executor)
             del value, fn, payload
-            _send_error(channel, "e", error)
+            _send_error(channel, _tags.RAISED, error)
             continue
         del fn, payload
         del value

@@ -1,0 +1,25 @@
+"""Level 1: the tags of what a child sends its parent, one vocabulary for ``spawn``'s ranks
+(and their Ray actors) and the pools' workers. No imports.
+
+Every message is a tuple whose first item is its tag::
+
+    (RESULT, value)                        the function (a rank's fn, a task) returned
+    (RAISED, exception or None, text)      it raised: the exception (None if it could not
+                                           be pickled) and its traceback as text
+    (READY,) or (READY, index)             a pool worker is ready (its initializer ran);
+                                           index: what its main module has (spawn,
+                                           forkserver), for the parent to send by name
+    (STARTED,)                             a pool worker took a task off its channel
+    (INIT_FAILED, exception or None, text) a pool worker's initializer raised; it exits
+
+A rank sends one message, RESULT or RAISED; a pool worker READY once, then STARTED and
+RESULT or RAISED per task.
+"""
+
+RESULT = "r"
+RAISED = "e"
+READY = "R"
+STARTED = "s"
+INIT_FAILED = "I"
+
+__all__ = ["INIT_FAILED", "RAISED", "READY", "RESULT", "STARTED"]

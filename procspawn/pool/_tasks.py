@@ -1,0 +1,102 @@
+"""What a pool's callers hand its dispatcher: tasks, and the jobs that wait on them.
+
+A ``Task`` is one message's worth of work (a call, or a chunk of a map); its ``Job`` is
+what the caller waits on (a Pool's result object, an executor's futures), told by
+``settle`` how each of its tasks ended. The front ends (``_pool``, ``_executor``)
+implement ``Job``; the dispatcher only calls it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from .. import _log
+from . import _worker
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
+if TYPE_CHECKING:
+    from typing import Any
+
+
+class Task:
+    """One message's worth of work: a call, or a chunk of a map."""
+
+    __slots__ = ("job", "index", "kind", "payload", "deaths", "settled")
+
+    def __init__(self, job: Job, index: int, kind: int, payload: Any) -> None:
+        self.job = job
+        self.index = index
+        self.kind = kind
+        self.payload = payload
+        self.deaths = 0  # workers that died running it (it is retried up to ``retries``)
+        # its job was told its outcome: never handed out again (one killed while queued
+        # behind another call stays in its worker's list until that worker answers or
+        # dies, and must not run elsewhere then)
+        self.settled = False
+
+
+class Job:
+    """What callers wait on. The dispatcher calls ``start`` before it hands a task out
+    (False: drop it, it was cancelled) and ``settle`` with each task's outcome."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, fn: Any) -> None:
+        self.id = next(self._ids)
+        self.fn = fn
+        self.abandoned = False
+
+    def start(self, task: Task) -> bool:
+        return not self.abandoned
+
+    def cancel(self, task: Task) -> None:
+        """The task will not run (``shutdown(cancel_futures=True)``)."""
+
+    def settle(self, task: Task, ok: bool, value: Any) -> None:
+        raise NotImplementedError
+
+    def describe(self, task: Task) -> str:
+        """A short repr of the call a task makes, for error messages."""
+        return describe_call(self.fn, task.kind, task.payload)
+
+    def describe_fn(self) -> str:
+        return name_of(self.fn)
+
+
+def name_of(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def describe_call(fn: Any, kind: int, payload: Any) -> str:
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxstring, r.maxother, r.maxlist, r.maxtuple, r.maxdict = 40, 40, 3, 3, 3
+    name = name_of(fn)
+    if payload is None:
+        return f"{name}(...)"
+    if kind == _worker.APPLY:
+        args, kwargs = payload
+        parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
+        return f"{name}({', '.join(parts)})"
+    items = list(payload)
+    calls = [
+        f"{name}({', '.join(r.repr(a) for a in item) if kind == _worker.STARMAP else r.repr(item)})"
+        for item in items[:2]
+    ]
+    if len(items) > 2:
+        calls.append(f"... ({len(items)} calls in this chunk)")
+    return ", ".join(calls)
+
+
+def settle(task: Task, ok: bool, value: Any) -> None:
+    job = task.job
+    task.payload = None
+    task.settled = True
+    try:
+        job.settle(task, ok, value)
+    except Exception:
+        _log.exception("procspawn: a pool result callback raised")
+
+
+__all__ = ["Job", "Task", "describe_call", "name_of", "settle"]

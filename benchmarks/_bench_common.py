@@ -107,6 +107,28 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
     return "\n".join(lines)
 
 
+def versions(modules: Sequence[str]) -> dict[str, str]:
+    """The installed version of each distribution that is installed (Python's too)."""
+    import platform
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    for name in modules:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def machine() -> str:
+    """The machine in a few words: its cores, memory and kernel."""
+    import platform
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} cores, {memory:.0f} GiB, {platform.system()} {platform.release()}"
+
+
 def write_json(path: str, data: Any) -> None:
     """Write ``data`` to ``path`` as indented JSON."""
     with open(path, "w") as out:

@@ -917,13 +917,26 @@ def main() -> None:
         print("\n" + "\n".join(f"- {note}" for note in notes))
     if args.json:
         data = {
+            "kind": "bench_pool",  # docs/_scripts/bench_plots.py draws it
+            "source": {
+                "command": " ".join(["python", "benchmarks/bench_pool.py", *sys.argv[1:]]),
+                "date": time.strftime("%Y-%m-%d"),
+                "machine": common.machine(),
+                "versions": common.versions(
+                    ["procspawn", "numpy", "loky", "joblib", "mpire", "pebble", "torch"]
+                ),
+            },
             "start_method": method,
             "repeats": repeats,
             "quick": args.quick,
             "rows": [
                 {
                     "case": CASES[r.case],
+                    "case_key": r.case,
                     "library": r.label,
+                    "library_key": r.lib.key,
+                    "chunksize": r.chunksize,
+                    "peer": r.lib.peer,
                     "values": r.values,
                     "median": r.median,
                     "hangs": r.hangs,

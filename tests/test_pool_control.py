@@ -420,3 +420,34 @@ def test_shutdown_right_after_a_cancelled_submit_returns():
         if stopping.is_alive():
             ex.shutdown(wait=False, cancel_futures=True)
             pytest.fail(f"shutdown(wait=True) after a cancelled call hangs (attempt {attempt})")
+
+
+@pytest.mark.parametrize("front", ["pool", "executor"])
+def test_a_failure_of_the_pool_thread_with_a_result_in_hand_fails_the_call(
+    monkeypatch, caplog, front
+):
+    """A bug of procspawn's in the thread that serves the pool, after it took a result off
+    a worker and before it settled it, fails the call waiting for that result (the pool
+    breaks) instead of leaving it waiting for ever: the result was in neither the worker's
+    list nor the pending ones that the last-resort failure goes through."""
+    from procspawn.pool import _prefetch
+
+    def broken(self, fn, seconds):
+        raise NameError("a bug in the pool's thread")
+
+    monkeypatch.setattr(_prefetch.RunTimes, "note", broken)
+    if front == "pool":
+        with mp.Pool(1) as pool:
+            with pytest.raises(RuntimeError, match="dispatcher thread failed"):
+                pool.apply_async(abs, (-1,)).get(timeout=30)
+    else:
+        with mp.ProcessPoolExecutor(1) as ex:
+            with pytest.raises(RuntimeError, match="dispatcher thread failed"):
+                ex.submit(abs, -1).result(timeout=30)
+    assert "a pool dispatcher thread failed" in caplog.text  # logged, with the bug's traceback
+    # that record's traceback holds the thread's frames, the workers' process objects
+    # among them (whose pipes close when they are collected): let go of it
+    caplog.clear()
+    import gc
+
+    gc.collect()

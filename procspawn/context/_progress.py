@@ -155,6 +155,7 @@ class Progress:
         self._last_draw = 0.0
         self._bar: Any = None
         self._plain_width = 0
+        self._logged: int | None = None  # off a terminal: the count of the last line
         self._closed = False
 
     # -- the parent side ---------------------------------------------------------------
@@ -169,6 +170,7 @@ class Progress:
         self._last_draw = 0.0  # a Progress used again: a display of its own
         self._bar = None
         self._plain_width = 0
+        self._logged = None
         self._closed = False
         return counters
 
@@ -183,6 +185,7 @@ class Progress:
         self._last_draw = 0.0
         self._bar = None
         self._plain_width = 0
+        self._logged = None
         self._closed = False
 
     def _add(self, n: int) -> None:
@@ -306,8 +309,9 @@ class Progress:
             padded = line.ljust(self._plain_width)
             self._plain_width = len(line)
             _write("\r" + padded)
-        else:
+        elif count != self._logged:  # off a terminal: a line per new count, once
             self._plain_width = len(line)
+            self._logged = count
             _write(line + "\n")
 
     def _rank_rates(self) -> str:

@@ -16,7 +16,8 @@ that states them):
        replaces workers
     2  _tasks: Task, and Job, what the front ends implement
     1  _worker: the loop a worker runs;  _failures: how failures are worded, option
-       checks;  _errors: TaskTimeoutError;  _broken: TerminatedWorkerError,
+       checks;  _prefetch: functions' run times (may a busy worker hold the next call);
+       _errors: TaskTimeoutError;  _broken: TerminatedWorkerError,
        InitializerError (BrokenProcessPool subclasses, imported by a pool's thread after
        its start: concurrent.futures.process costs ~7 ms of start-up)
 """

@@ -33,7 +33,6 @@ import socket
 import sys
 import threading
 import time
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing import util as _mp_util  # noqa: F401 (see atexit.register below)
@@ -84,6 +83,7 @@ from ._failures import (
     remote_error,
     unpickling_error,
 )
+from ._prefetch import RunTimes
 from ._tasks import Job, Task, settle
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
@@ -92,14 +92,6 @@ if TYPE_CHECKING:
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
-# A worker running a call is given the next one to hold (prefetch) only for a function
-# whose calls were measured shorter than this, on average: the round trip it saves (tens
-# of microseconds; about a millisecond with a large array to copy) matters for short
-# calls only, and a call held behind a long one waits for it while another worker may be
-# free. A function not measured yet gets none (the first calls of a backlog of long ones
-# would wait behind one another)
-_PREFETCH_BELOW = 0.01
-_RUN_TIMES_KEPT = 64  # functions whose run times the dispatcher keeps, the latest used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _STRATEGY = "procspawn.sharing.segments._strategy"
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
@@ -242,7 +234,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._pending: collections.deque[Task] = collections.deque()
         # id(fn) -> (a reference to fn, the mean seconds its calls ran): _may_prefetch
-        self._run_times: dict[int, tuple[Callable[[], Any], float]] = {}
+        self._run_times = RunTimes()
+        self._in_hand: Task | None = None  # a task taken off a worker, not settled yet
         self._workers: dict[int, _Worker] = {}
         self._slots = itertools.count()
         self._startup_failures = 0
@@ -796,7 +789,11 @@ class Dispatcher:
         self._fail_all(error)
 
     def _fail_tasks(self, error: BaseException) -> None:
-        """Fail every task the workers hold and every pending one with ``error``."""
+        """Fail every task the workers hold and every pending one with ``error`` (and the
+        one this thread had in hand, if it failed meanwhile)."""
+        task, self._in_hand = self._in_hand, None
+        if task is not None and not task.settled:
+            settle(task, False, error)
         for worker in list(self._workers.values()):
             tasks = list(worker.tasks)
             worker.tasks.clear()
@@ -889,7 +886,7 @@ class Dispatcher:
             worker.ready
             and len(self._pending) > live
             and worker.tasks[0].job.fn is fn
-            and (live <= 1 or self._short_calls(fn))
+            and (live <= 1 or self._run_times.short(fn))
         )
 
     def _give(self, worker: _Worker) -> None:
@@ -1040,19 +1037,17 @@ class Dispatcher:
             worker.started_at = time.monotonic()
             if self.task_timeout is not None and worker.kill_at is None:  # not being stopped
                 worker.deadline = time.monotonic() + self.task_timeout
-        elif tag == _tags.RESULT:
-            task = worker.tasks.popleft()
+        elif tag in (_tags.RESULT, _tags.RAISED):
+            # in hand until settled: a failure of this thread meanwhile fails it too
+            self._in_hand = task = worker.tasks.popleft()
             self._note_run_time(worker, task)
             self._answered(worker)
             self._output.forward_now(worker.slot)  # what the task printed comes first
-            settle(task, True, message[1])
-            self._done_with(worker)
-        elif tag == _tags.RAISED:
-            task = worker.tasks.popleft()
-            self._note_run_time(worker, task)
-            self._answered(worker)
-            self._output.forward_now(worker.slot)
-            settle(task, False, remote_error(message[1], message[2], self.break_on_death))
+            if tag == _tags.RESULT:
+                settle(task, True, message[1])
+            else:
+                settle(task, False, remote_error(message[1], message[2], self.break_on_death))
+            self._in_hand = None
             self._done_with(worker)
         elif tag == _tags.READY:
             worker.ready = True
@@ -1077,25 +1072,8 @@ class Dispatcher:
     def _note_run_time(self, worker: _Worker, task: Task) -> None:
         """Keep the mean run time of ``task``'s function (see ``_may_prefetch``)."""
         started, worker.started_at = worker.started_at, None
-        if started is None:
-            return
-        seconds = time.monotonic() - started
-        fn = task.job.fn
-        key = id(fn)
-        times = self._run_times
-        entry = times.pop(key, None)
-        if entry is not None and entry[0]() is fn:
-            seconds = 0.7 * entry[1] + 0.3 * seconds  # (a moving mean: recent calls weigh)
-        elif len(times) >= _RUN_TIMES_KEPT:
-            times.pop(next(iter(times)))
-        ref = _ref_to(fn)
-        if ref is not None:  # (not measured: never prefetched)
-            times[key] = (ref, seconds)
-
-    def _short_calls(self, fn: Any) -> bool:
-        """Whether ``fn``'s calls were measured short (see ``_PREFETCH_BELOW``)."""
-        entry = self._run_times.get(id(fn))
-        return entry is not None and entry[0]() is fn and entry[1] < _PREFETCH_BELOW
+        if started is not None:
+            self._run_times.note(task.job.fn, time.monotonic() - started)
 
     def _answered(self, worker: _Worker) -> None:
         """``worker`` answered its running task: not running, no deadline; too big now
@@ -1288,18 +1266,6 @@ class Dispatcher:
             error.signal_name,
         )
         return terminated
-
-
-def _ref_to(obj: Any) -> Callable[[], Any] | None:
-    """A weak reference to ``obj``; a strong one to a builtin function, which takes none
-    (it lives as long as its module anyway); None for anything else that takes none (a
-    callable that may hold much, not kept alive for this)."""
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        if isinstance(obj, types.BuiltinFunctionType):
-            return lambda: obj
-        return None
 
 
 def _resident_bytes(pid: int) -> int:

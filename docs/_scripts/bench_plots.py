@@ -186,58 +186,70 @@ def _best_peer(cells: dict[tuple[str, str], Any], case: str) -> tuple[str, float
     return label, value
 
 
-def pool_table(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The table of the benchmarks page: a row per case and start method, a column per
-    library, and procspawn's best against the best peer's."""
-    columns = ["case", "start method", *(label for _, label in POOL_LIBRARIES)]
-    columns.append("procspawn / best peer")
-    rows = []
-    for case, name, unit, decimals in POOL_CASES:
-        for run in runs:
-            cells = _pool_cells(run)
-            if not any(c == case for c, _ in cells):
-                continue
-            row: list[Any] = [f"{name} ({unit})", run["start_method"]]
-            for key, _ in POOL_LIBRARIES:
-                value = cells.get((case, key))
-                row.append(round(value, decimals) if isinstance(value, float) else value or "")
-            ours = [cells.get((case, k)) for k in ("procspawn", "procspawn-exec")]
-            ours_values = [v for v in ours if isinstance(v, float)]
-            best = _best_peer(cells, case)
-            if ours_values and best is not None:
-                row.append(f"{min(ours_values) / best[1]:.2f}× ({best[0]})")
-            else:
-                row.append("")
-            rows.append(row)
-    first = runs[0]["source"]
-    versions = ", ".join(f"{k} {v}" for k, v in first["versions"].items())
+def pool_table(run: dict[str, Any]) -> dict[str, Any]:
+    """The table of the benchmarks page for one start method: a row per library, a
+    column per case, and a last row of procspawn's best against the best peer's."""
+    cells = _pool_cells(run)
+    cases = [c for c in POOL_CASES if any(case == c[0] for case, _ in cells)]
+    columns = ["library", *(f"{short} ({unit})" for _, short, unit, _ in _short(cases))]
+    rows: list[list[Any]] = []
+    for key, label in POOL_LIBRARIES:
+        row: list[Any] = [label]
+        for case, _name, _unit, decimals in cases:
+            value = cells.get((case, key))
+            row.append(round(value, decimals) if isinstance(value, float) else value or "")
+        rows.append(row)
+    ratio: list[Any] = ["procspawn / best peer"]
+    for case, *_ in cases:
+        ours = [cells.get((case, k)) for k in ("procspawn", "procspawn-exec")]
+        ours_values = [v for v in ours if isinstance(v, float)]
+        best = _best_peer(cells, case)
+        if ours_values and best is not None:
+            ratio.append(f"{min(ours_values) / best[1]:.2f}× ({best[0]})")
+        else:
+            ratio.append("")
+    rows.append(ratio)
+    source = run["source"]
+    versions = ", ".join(f"{k} {v}" for k, v in source["versions"].items())
+    statistic = f"medians of {run['repeats']}"
+    if "start_up_repeats" in run:
+        statistic += f", the start-up columns of {run['start_up_repeats']}"
     return {
-        "title": "Process pools side by side",
+        "title": f"Process pools, workers started by {run['start_method']}",
         "source": {
-            "command": [run["source"]["command"] for run in runs],
-            "date": first["date"],
+            "command": source["command"],
+            "date": source["date"],
             "session": "",
-            "machine": f"{first['machine']}, idle; {versions}",
-            "statistic": "medians of "
-            + " and ".join(f"{run['repeats']} ({run['start_method']})" for run in runs)
-            + "".join(
-                f", the start-up rows of {run['start_up_repeats']}"
-                for run in runs
-                if "start_up_repeats" in run
-            ),
+            "machine": f"{source['machine']}, idle; {versions}",
+            "statistic": statistic,
         },
         "columns": columns,
         "rows": rows,
         "notes": (
-            "2 workers each. PPE is `concurrent.futures.ProcessPoolExecutor`. The tiny "
-            "tasks run with each library's default chunking for the Pool-likes and "
-            "`chunksize=2500` for the executors; their next row is the executors at their "
-            "default, `chunksize=1`. joblib always starts its workers with loky's own "
-            'method. "hangs": the call still waited 20 s after the worker\'s SIGKILL. '
-            '"procspawn / best peer": the faster of procspawn\'s Pool and executor, '
-            "divided by the fastest other library (named); below 1 is faster."
+            f"Workers started by {run['start_method']} (joblib: always loky's own method), "
+            "2 each. PPE is `concurrent.futures.ProcessPoolExecutor`. Tiny tasks: each "
+            "library's default chunking for the Pool-likes, `chunksize=2500` for the "
+            'executors; "cs=1" is the executors at their default, `chunksize=1`. '
+            '"hangs": the call still waited 20 s after the worker\'s SIGKILL. The last '
+            "row: the faster of procspawn's Pool and executor divided by the fastest other "
+            "library (named); below 1 is faster."
         ),
     }
+
+
+_SHORT = {
+    "startup": "start-up",
+    "startup-numpy": "start-up, NumPy script",
+    "tiny": "tiny task",
+    "tiny-cs1": "tiny task, cs=1",
+    "fresh": "4 MiB argument",
+    "result": "8 MiB result",
+    "kill": "killed worker seen",
+}
+
+
+def _short(cases: list[tuple[str, str, str, int]]) -> list[tuple[str, str, str, int]]:
+    return [(case, _SHORT[case], unit, decimals) for case, _name, unit, decimals in cases]
 
 
 def pool_plot(runs: list[dict[str, Any]], path: str) -> None:
@@ -378,7 +390,7 @@ def build(data_dir: str, out_dir: str) -> list[str]:
     if runs:
         md_path = os.path.join(out_dir, "bench_pool.md")
         with open(md_path, "w", encoding="utf-8") as f:
-            f.write(markdown(pool_table(runs)))
+            f.write("\n".join(markdown(pool_table(run)) for run in runs))
         png_path = os.path.join(out_dir, "bench_pool.png")
         pool_plot(runs, png_path)
         written += [md_path, png_path]

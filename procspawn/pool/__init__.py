@@ -9,9 +9,9 @@ death fails exactly what it must and never hangs a caller.
 Levels, each module importing only from those below it (this table is the only place
 that states them):
 
-    6  _reusable: get_reusable_executor
-    5  _executor: ProcessPoolExecutor
-    4  _pool: Pool and its results
+    5  _pool: Pool;  _reusable: get_reusable_executor
+    4  _executor: ProcessPoolExecutor;  _results: what Pool's asynchronous calls return;
+       _imap: imap's iterators and the thread that feeds their input
     3  _dispatcher: the one thread that hands out tasks, reads results, watches and
        replaces workers
     2  _tasks: Task, and Job, what the front ends implement
@@ -34,18 +34,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._errors import TaskTimeoutError as TaskTimeoutError
     from ._executor import Future as Future
     from ._executor import ProcessPoolExecutor as ProcessPoolExecutor
-    from ._pool import AsyncResult as AsyncResult
-    from ._pool import IMapIterator as IMapIterator
-    from ._pool import IMapUnorderedIterator as IMapUnorderedIterator
-    from ._pool import MapResult as MapResult
+    from ._imap import IMapIterator as IMapIterator
+    from ._imap import IMapUnorderedIterator as IMapUnorderedIterator
     from ._pool import Pool as Pool
+    from ._results import AsyncResult as AsyncResult
+    from ._results import MapResult as MapResult
     from ._reusable import get_reusable_executor as get_reusable_executor
 
 _LAZY = {
-    "AsyncResult": "._pool",
-    "IMapIterator": "._pool",
-    "IMapUnorderedIterator": "._pool",
-    "MapResult": "._pool",
+    "AsyncResult": "._results",
+    "IMapIterator": "._imap",
+    "IMapUnorderedIterator": "._imap",
+    "MapResult": "._results",
     "Future": "._executor",
     "InitializerError": "._broken",
     "Pool": "._pool",

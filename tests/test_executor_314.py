@@ -202,3 +202,24 @@ def test_stopping_an_executor_with_no_workers_yet_is_fine():
     with pytest.raises(RuntimeError):
         ex.submit(square, 2)
     ex.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("source", ["range", "iterator"])
+def test_map_with_buffersize_counts_progress_over_the_whole_map(executor, source):
+    items = range(40) if source == "range" else iter(range(40))
+    bar = procspawn.Progress(show=False)
+    results = executor.map(square, items, buffersize=3, chunksize=2, progress=bar, timeout=60)
+    assert list(results) == [x * x for x in range(40)]
+    assert bar.count == 40  # every chunk's calls, not the last chunk's
+    assert bar.total == (40 if source == "range" else None)  # an iterator has no length
+
+
+def test_progress_counts_in_this_process_through_its_public_api():
+    # what the pools do for a call they show: reset with the total, then update
+    bar = procspawn.Progress(show=False)
+    bar.reset(10)
+    bar.update(3)
+    bar.update()
+    assert (bar.count, bar.total) == (4, 10)
+    bar.reset(5)  # a new call: counted from 0 (the total given first stays)
+    assert (bar.count, bar.total) == (0, 10)

@@ -174,9 +174,14 @@ class Progress:
         self._closed = False
         return counters
 
-    def _count_here(self, total: int | None = None) -> None:
-        """Count in this process instead (a pool call counts its finished tasks with
-        ``_add``, from one thread); ``total``, when known, unless one was given."""
+    def reset(self, total: int | None = None) -> None:
+        """Count in this process from 0, for a new display: what a pool does at the start
+        of each call it shows (it then counts the finished tasks with ``update``, from
+        one thread). ``total``, when known, unless the Progress was given one.
+
+        Args:
+            total: the number of steps the call makes, if known.
+        """
         self._counters = [0] * _SLOT
         self._nprocs = 1
         if self.total is None:
@@ -188,7 +193,13 @@ class Progress:
         self._logged = None
         self._closed = False
 
-    def _add(self, n: int) -> None:
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` more steps done in this process (after ``reset``); the display is
+        redrawn by whoever waits (``render``).
+
+        Args:
+            n: the steps done.
+        """
         self._counters[0] += n
 
     @property

@@ -145,7 +145,7 @@ class _ChunksJob(Job):
         if future is None:
             return
         if ok and self.progress is not None:
-            self.progress._add(len(value))
+            self.progress.update(len(value))
         _set(future, ok, value)
 
 
@@ -408,13 +408,17 @@ class ProcessPoolExecutor(_cf.Executor):
                 if not taken:
                     return []
                 first, futures = job.add(len(taken))
-                if shown is not None:
-                    shown._count_here(sum(len(chunk) for chunk in taken))
+                if shown is not None and count is None:  # (all: the total is known)
+                    shown.reset(sum(len(chunk) for chunk in taken))
                 dispatcher.submit(
                     Task(job, first + n, kind, chunk) for n, chunk in enumerate(taken)
                 )
             return futures
 
+        if shown is not None and buffersize is not None:
+            # read lazily: the total is known only where every input has a length
+            lengths = [len(it) for it in iterables if hasattr(it, "__len__")]  # type: ignore[arg-type]
+            shown.reset(min(lengths) if len(lengths) == len(iterables) else None)
         futures = submit(buffersize, initial=True)
         more = None if buffersize is None else functools.partial(submit, 1)
         stop = functools.partial(_kill, dispatcher, weakref.ref(job))

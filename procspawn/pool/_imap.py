@@ -283,7 +283,7 @@ class _IMapJob(Job):
             return
         progress = iterator._progress
         if ok and progress is not None:
-            progress._add(len(value))
+            progress.update(len(value))
         iterator._put(task.index, ok, value)
 
 

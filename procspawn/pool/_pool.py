@@ -396,7 +396,7 @@ class Pool:
         result: MapResult[Any] = MapResult(self._dispatcher, len(items), callback, error_callback)
         result._pool = self
         if shown is not None:
-            shown._count_here(len(items))
+            shown.reset(len(items))
             result._progress = shown
         if not items:
             return result
@@ -482,7 +482,7 @@ class Pool:
                 total: int | None = len(iterable)  # type: ignore[arg-type]
             except TypeError:
                 total = None
-            shown._count_here(total)
+            shown.reset(total)
             it._progress = shown
         job = _IMapJob(func, it)
         it.job = job

@@ -220,7 +220,7 @@ class MapResult(_CallResult[list[_T]]):
             self._finish(False, value)
             return
         if self._progress is not None:
-            self._progress._add(len(value))
+            self._progress.update(len(value))
         self._values[start : start + len(value)] = value
         self._left -= 1
         if self._left == 0:

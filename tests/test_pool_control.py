@@ -451,3 +451,52 @@ def test_a_failure_of_the_pool_thread_with_a_result_in_hand_fails_the_call(
     import gc
 
     gc.collect()
+
+
+# -- issue 38, point 5: a call's own task_timeout, over the pool's ---------------------
+
+
+def test_a_pool_call_s_own_task_timeout_kills_it_and_the_pool_goes_on():
+    with mp.Pool(1) as pool:  # no pool-wide limit
+        with pytest.raises(mp.TaskTimeoutError, match="its call's task_timeout of 0.3 s"):
+            pool.apply(sleep_then_pid, (60,), task_timeout=0.3)
+        with pytest.raises(mp.TaskTimeoutError):
+            pool.map(sleep_then_pid, [0.01, 60], chunksize=1, task_timeout=0.5)
+        with pytest.raises(mp.TaskTimeoutError):
+            list(pool.imap(sleep_then_pid, [60], task_timeout=0.3))
+        with pytest.raises(mp.TaskTimeoutError):
+            pool.starmap_async(sleep_then_pid, [(60,)], task_timeout=0.3).get(30)
+        assert pool.apply(square, (7,)) == 49  # the pool goes on; other calls unlimited
+
+
+def test_a_call_s_task_timeout_replaces_the_pool_s_for_that_call_only():
+    with mp.Pool(1, task_timeout=0.3) as pool:
+        pid = pool.apply(sleep_then_pid, (0.8,), task_timeout=10)  # longer than the pool's
+        assert isinstance(pid, int)
+        with pytest.raises(mp.TaskTimeoutError, match="the pool's task_timeout of 0.3 s"):
+            pool.apply(sleep_then_pid, (0.8,))
+
+
+def test_an_executor_call_s_own_task_timeout():
+    with mp.ProcessPoolExecutor(1) as ex:
+        future = ex.schedule(sleep_then_pid, (60,), task_timeout=0.3)
+        with pytest.raises(mp.TaskTimeoutError, match="its call's task_timeout"):
+            future.result(timeout=30)
+        with pytest.raises(mp.TaskTimeoutError):
+            list(ex.map(sleep_then_pid, [60], task_timeout=0.3, timeout=30))
+        assert ex.schedule(square, (3,)).result(timeout=30) == 9
+        assert ex.schedule(pow, (2,), {"exp": 5}).result(timeout=30) == 32
+
+
+@pytest.mark.parametrize("bad", [0, -1, "1", True])
+def test_a_bad_call_task_timeout_is_refused_in_the_caller(bad):
+    with mp.Pool(1) as pool, mp.ProcessPoolExecutor(1) as ex:
+        for call in (
+            lambda: pool.apply_async(square, (1,), task_timeout=bad),
+            lambda: pool.map_async(square, [1], task_timeout=bad),
+            lambda: pool.imap(square, [1], task_timeout=bad),
+            lambda: ex.schedule(square, (1,), task_timeout=bad),
+            lambda: ex.map(square, [1], task_timeout=bad),
+        ):
+            with pytest.raises(ValueError, match="task_timeout must be a number of seconds"):
+                call()

@@ -741,13 +741,19 @@ class Dispatcher:
         send_signal(worker.proc, signal.SIGKILL)
         self._fill()
 
+    def _timeout_of(self, task: Task) -> float | None:
+        """The seconds ``task`` may run: its call's own ``task_timeout``, else the pool's."""
+        return self.task_timeout if task.job.timeout is None else task.job.timeout
+
     def _timeout_error(self, worker: _Worker) -> TaskTimeoutError:
         task = worker.tasks[0]
+        timeout = self._timeout_of(task)
+        whose = "the pool's" if task.job.timeout is None else "its call's"
         return TaskTimeoutError(
-            f"{task.job.describe(task)} ran longer than the pool's task_timeout of "
-            f"{self.task_timeout:g} s; its worker (pid {worker.pid}) was killed and a new "
+            f"{task.job.describe(task)} ran longer than {whose} task_timeout of "
+            f"{timeout:g} s; its worker (pid {worker.pid}) was killed and a new "
             f"one took its place",
-            self.task_timeout,  # type: ignore[arg-type]  # set: the task timed out
+            timeout,  # type: ignore[arg-type]  # set: the task timed out
             worker.pid,
         )
 
@@ -1035,8 +1041,9 @@ class Dispatcher:
         if tag == _tags.STARTED:
             worker.running = True
             worker.started_at = time.monotonic()
-            if self.task_timeout is not None and worker.kill_at is None:  # not being stopped
-                worker.deadline = time.monotonic() + self.task_timeout
+            timeout = self._timeout_of(worker.tasks[0]) if worker.tasks else None
+            if timeout is not None and worker.kill_at is None:  # not being stopped
+                worker.deadline = time.monotonic() + timeout
         elif tag in (_tags.RESULT, _tags.RAISED):
             # in hand until settled: a failure of this thread meanwhile fails it too
             self._in_hand = task = worker.tasks.popleft()

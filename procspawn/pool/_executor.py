@@ -321,16 +321,56 @@ class ProcessPoolExecutor(_cf.Executor):
                 broken; ``procspawn.TerminatedWorkerError`` says how).
             RuntimeError: after ``shutdown()``.
         """
+        return self._submit(fn, args, kwargs)
+
+    def _submit(
+        self,
+        fn: Callable[..., _T],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+        task_timeout: float | None = None,
+    ) -> Future[_T]:
         with self._shutdown_lock:
             self._check_open()
             future: Future[_T] = Future()
             job = _CallJob(fn, future)
+            job.timeout = task_timeout
             # the job holds the future: the future holds the job weakly, or the two would
             # be a cycle keeping the result (shared arrays) until a garbage collection
             future._procspawn_kill = functools.partial(_kill, self._dispatcher, weakref.ref(job))
             future._procspawn_dispatcher = self._dispatcher
             self._dispatcher.submit([Task(job, 0, _worker.APPLY, (args, kwargs))])
         return future
+
+    def schedule(
+        self,
+        fn: Callable[..., _T],
+        args: Iterable[object] = (),
+        kwargs: dict[str, object] | None = None,
+        *,
+        task_timeout: float | None = None,
+    ) -> Future[_T]:
+        """``submit`` with the arguments apart and a limit of this call's own (pebble's
+        ``schedule(function, args, kwargs, timeout)``): ``fn(*args, **kwargs)``.
+
+        Args:
+            fn: the function to call.
+            args: its positional arguments.
+            kwargs: its keyword arguments.
+            task_timeout: seconds this call may run, in place of the executor's
+                ``task_timeout``: past it, its worker is killed and replaced, and the
+                future fails with ``procspawn.TaskTimeoutError``; None: the executor's.
+
+        Returns:
+            The future of the call.
+
+        Raises:
+            ValueError: ``task_timeout`` is not a number of seconds > 0.
+            concurrent.futures.process.BrokenProcessPool: the executor is broken.
+            RuntimeError: after ``shutdown()``.
+        """
+        check_options(task_timeout, 0, None)
+        return self._submit(fn, tuple(args), dict(kwargs or {}), task_timeout)
 
     def _check_open(self) -> None:
         self._dispatcher.check_owner()
@@ -349,6 +389,7 @@ class ProcessPoolExecutor(_cf.Executor):
         chunksize: int = 1,
         buffersize: int | None = None,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> Iterator[_T]:
         """``map(fn, *iterables)`` run in the workers, ``chunksize`` calls per message;
         the iterator raises TimeoutError if a result is not there ``timeout`` seconds
@@ -371,12 +412,15 @@ class ProcessPoolExecutor(_cf.Executor):
             buffersize: at most this many chunks submitted ahead of the results taken;
                 None: all at once.
             progress: True, an int total or a ``procspawn.Progress``.
+            task_timeout: seconds each chunk of this map may run, in place of the
+                executor's ``task_timeout``; None: the executor's.
 
         Returns:
             An iterator of the values, in order.
 
         Raises:
-            ValueError: ``chunksize`` < 1, or ``buffersize`` < 1.
+            ValueError: ``chunksize`` < 1, ``buffersize`` < 1, or ``task_timeout`` is not
+                a number of seconds > 0.
             TypeError: ``buffersize`` is not an int or None.
             concurrent.futures.process.BrokenProcessPool: a worker died before (the
                 executor is broken).
@@ -388,10 +432,12 @@ class ProcessPoolExecutor(_cf.Executor):
             raise TypeError("buffersize must be an integer or None")
         if buffersize is not None and buffersize < 1:
             raise ValueError("buffersize must be None or > 0")
+        check_options(task_timeout, 0, None)
         shown = as_progress(progress)
         end_time = None if timeout is None else timeout + time.monotonic()
         kind, chunks = _chunks(iterables, chunksize)
         job = _ChunksJob(fn, shown)
+        job.timeout = task_timeout
         dispatcher = self._dispatcher
         executor = weakref.ref(self)  # the executor can be collected while a map is read
 

@@ -182,6 +182,8 @@ class Pool:
         func: Callable[..., _T],
         args: Iterable[object] = (),
         kwds: Mapping[str, object] | None = None,
+        *,
+        task_timeout: float | None = None,
     ) -> _T:
         """``func(*args, **kwds)`` in a worker; waits for it and returns its value.
 
@@ -189,6 +191,8 @@ class Pool:
             func: the function to call.
             args: its positional arguments.
             kwds: its keyword arguments.
+            task_timeout: seconds each of this call's tasks (a call, or a chunk) may
+                run, in place of the pool's ``task_timeout``; None: the pool's.
 
         Returns:
             What ``func`` returned.
@@ -198,12 +202,13 @@ class Pool:
                 its ``__cause__``), or what pickling an argument or the result raised.
             ProcessExitedException: the worker died while running it (a signal,
                 ``os._exit``, the out-of-memory killer), ``retries`` times over.
-            TaskTimeoutError: it ran longer than the pool's ``task_timeout``.
+            TaskTimeoutError: it ran longer than its ``task_timeout`` (or the pool's).
             InitializerError: the pool's ``initializer`` raised: no task can run.
-            ValueError: the pool was closed or terminated.
+            ValueError: the pool was closed or terminated, or ``task_timeout`` is not a
+                number of seconds > 0.
             RuntimeError: the pool was terminated before it finished.
         """
-        return self.apply_async(func, args, kwds).get()
+        return self.apply_async(func, args, kwds, task_timeout=task_timeout).get()
 
     def apply_async(
         self,
@@ -212,6 +217,8 @@ class Pool:
         kwds: Mapping[str, object] | None = None,
         callback: Callable[[_T], object] | None = None,
         error_callback: Callable[[BaseException], object] | None = None,
+        *,
+        task_timeout: float | None = None,
     ) -> ApplyResult[_T]:
         """``func(*args, **kwds)`` in a worker; returns an ``AsyncResult`` at once.
 
@@ -222,17 +229,22 @@ class Pool:
             callback: called with the value once ``func`` returned (in a thread of the
                 pool: keep it short).
             error_callback: called with the exception instead, if the call failed.
+            task_timeout: seconds each of this call's tasks (a call, or a chunk) may
+                run, in place of the pool's ``task_timeout``; None: the pool's.
 
         Returns:
             The result; its ``get()`` returns the value or raises what ``apply`` would.
 
         Raises:
-            ValueError: the pool was closed or terminated.
+            ValueError: the pool was closed or terminated, or ``task_timeout`` is not a
+                number of seconds > 0.
         """
         self._check_running()
+        check_options(task_timeout, 0, None)
         result: _CallResult[_T] = _CallResult(self._dispatcher, callback, error_callback)
         result._pool = self  # a pool nobody else holds lives as long as its results
         job = _ApplyJob(func, result)
+        job.timeout = task_timeout
         result.job = job
         self._dispatcher.submit([Task(job, 0, _worker.APPLY, (tuple(args), dict(kwds or {})))])
         return result
@@ -245,6 +257,7 @@ class Pool:
         chunksize: int | None = None,
         *,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> list[_T]:
         """``list(map(func, iterable))``, run in the workers in chunks.
 
@@ -255,6 +268,8 @@ class Pool:
                 worker (``len(items) / (4 * processes)``, rounded up).
             progress: True, an int total or a ``procspawn.Progress``: a bar counting
                 finished items while the call waits (its total: the number of items).
+            task_timeout: seconds each chunk of this call may run, in place of the
+                pool's ``task_timeout``; None: the pool's.
 
         Returns:
             The values, in the order of the items.
@@ -264,12 +279,15 @@ class Pool:
                 its ``__cause__``), or what pickling an argument or the result raised.
             ProcessExitedException: the worker died while running a chunk (a signal,
                 ``os._exit``, the out-of-memory killer), ``retries`` times over.
-            TaskTimeoutError: a chunk ran longer than the pool's ``task_timeout``.
+            TaskTimeoutError: a chunk ran longer than its ``task_timeout`` (or the
+                pool's).
             InitializerError: the pool's ``initializer`` raised: no task can run.
             ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
             RuntimeError: the pool was terminated before the map finished.
         """
-        return self._map_async(func, iterable, _worker.MAP, chunksize, progress=progress).get()
+        return self._map_async(
+            func, iterable, _worker.MAP, chunksize, progress=progress, task_timeout=task_timeout
+        ).get()
 
     @ctrl_c_in_caller
     def starmap(
@@ -279,6 +297,7 @@ class Pool:
         chunksize: int | None = None,
         *,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> list[_T]:
         """``[func(*args) for args in iterable]``, run in the workers in chunks.
 
@@ -287,6 +306,7 @@ class Pool:
             iterable: the items, each an iterable of arguments.
             chunksize: as for ``map``.
             progress: as for ``map``.
+            task_timeout: as for ``map``.
 
         Returns:
             The values, in the order of the items.
@@ -296,12 +316,20 @@ class Pool:
                 its ``__cause__``), or what pickling an argument or the result raised.
             ProcessExitedException: the worker died while running a chunk (a signal,
                 ``os._exit``, the out-of-memory killer), ``retries`` times over.
-            TaskTimeoutError: a chunk ran longer than the pool's ``task_timeout``.
+            TaskTimeoutError: a chunk ran longer than its ``task_timeout`` (or the
+                pool's).
             InitializerError: the pool's ``initializer`` raised: no task can run.
             ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
             RuntimeError: the pool was terminated before the map finished.
         """
-        return self._map_async(func, iterable, _worker.STARMAP, chunksize, progress=progress).get()
+        return self._map_async(
+            func,
+            iterable,
+            _worker.STARMAP,
+            chunksize,
+            progress=progress,
+            task_timeout=task_timeout,
+        ).get()
 
     def map_async(
         self,
@@ -312,6 +340,7 @@ class Pool:
         error_callback: Callable[[BaseException], object] | None = None,
         *,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> MapResult[_T]:
         """``map`` returning at once; ``progress`` is shown while ``get()`` waits.
 
@@ -323,6 +352,7 @@ class Pool:
                 the pool: keep it short).
             error_callback: called with the first failure's exception instead.
             progress: as for ``map``.
+            task_timeout: as for ``map``.
 
         Returns:
             The result; its ``get()`` returns the list of values or raises what ``map``
@@ -332,7 +362,7 @@ class Pool:
             ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
         """
         return self._map_async(
-            func, iterable, _worker.MAP, chunksize, callback, error_callback, progress
+            func, iterable, _worker.MAP, chunksize, callback, error_callback, progress, task_timeout
         )
 
     def starmap_async(
@@ -344,6 +374,7 @@ class Pool:
         error_callback: Callable[[BaseException], object] | None = None,
         *,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> MapResult[_T]:
         """``starmap`` returning at once; ``progress`` is shown while ``get()`` waits.
 
@@ -354,6 +385,7 @@ class Pool:
             callback: as for ``map_async``.
             error_callback: as for ``map_async``.
             progress: as for ``map``.
+            task_timeout: as for ``map``.
 
         Returns:
             The result; its ``get()`` returns the list of values.
@@ -362,7 +394,14 @@ class Pool:
             ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
         """
         return self._map_async(
-            func, iterable, _worker.STARMAP, chunksize, callback, error_callback, progress
+            func,
+            iterable,
+            _worker.STARMAP,
+            chunksize,
+            callback,
+            error_callback,
+            progress,
+            task_timeout,
         )
 
     def _map_async(
@@ -374,8 +413,10 @@ class Pool:
         callback: Callable[[list[Any]], object] | None = None,
         error_callback: Callable[[BaseException], object] | None = None,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> MapResult[Any]:
         self._check_running()
+        check_options(task_timeout, 0, None)
         shown = as_progress(progress)
         # a range stays one: its chunks are ranges, a few bytes each on the wire
         items: Sequence[Any] = (
@@ -402,6 +443,7 @@ class Pool:
             return result
         chunks = [(i, min(chunksize, len(items) - i)) for i in range(0, len(items), chunksize)]
         job = _MapJob(func, result, chunks)
+        job.timeout = task_timeout
         result.job = job
         self._dispatcher.submit(
             Task(job, n, kind, items[start : start + length])
@@ -416,6 +458,7 @@ class Pool:
         chunksize: int = 1,
         *,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> IMapIterator[_T]:
         """Like ``map``, but returns an iterator of the results, in order, as they come;
         the input is read as the workers need it, in a thread of its own. ``progress``
@@ -427,6 +470,7 @@ class Pool:
             iterable: the items (an endless generator works).
             chunksize: items per task.
             progress: as for ``map``.
+            task_timeout: as for ``map``.
 
         Returns:
             The iterator of values; each failure is raised when its place comes (see
@@ -435,7 +479,7 @@ class Pool:
         Raises:
             ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
         """
-        return self._imap(IMapIterator, func, iterable, chunksize, progress)
+        return self._imap(IMapIterator, func, iterable, chunksize, progress, task_timeout)
 
     def imap_unordered(
         self,
@@ -444,6 +488,7 @@ class Pool:
         chunksize: int = 1,
         *,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> IMapUnorderedIterator[_T]:
         """Like ``imap``, in the order the results come.
 
@@ -452,6 +497,7 @@ class Pool:
             iterable: the items.
             chunksize: items per task.
             progress: as for ``map``.
+            task_timeout: as for ``map``.
 
         Returns:
             The iterator of values, as they come.
@@ -459,7 +505,7 @@ class Pool:
         Raises:
             ValueError: the pool was closed or terminated, or ``chunksize`` < 1.
         """
-        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress)
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress, task_timeout)
 
     def _imap(
         self,
@@ -468,8 +514,10 @@ class Pool:
         iterable: Iterable[Any],
         chunksize: int,
         progress: bool | int | Progress | None = None,
+        task_timeout: float | None = None,
     ) -> _Iterator:
         self._check_running()
+        check_options(task_timeout, 0, None)
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
         shown = as_progress(progress)
@@ -485,6 +533,7 @@ class Pool:
             shown.reset(total)
             it._progress = shown
         job = _IMapJob(func, it)
+        job.timeout = task_timeout
         it.job = job
         self._iterators.add(it)
         sequence = type(iterable) in _SEQUENCES

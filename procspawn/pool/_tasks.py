@@ -41,10 +41,11 @@ class Job:
 
     _ids = itertools.count(1)
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, timeout: float | None = None) -> None:
         self.id = next(self._ids)
         self.fn = fn
         self.abandoned = False
+        self.timeout = timeout  # seconds each task may run (None: the pool's task_timeout)
 
     def start(self, task: Task) -> bool:
         return not self.abandoned

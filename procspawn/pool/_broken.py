@@ -4,7 +4,7 @@
 Apart from ``_errors`` because ``concurrent.futures.process`` costs ~7 ms to import on
 top of a pool's own modules (``multiprocessing.connection`` and ``queues``): a pool's
 thread imports it once the pool has run a moment, or when it breaks
-(``_dispatcher._broken_errors``), never on the way to a pool's first result.
+(``_failures.broken_errors``), never on the way to a pool's first result.
 """
 
 from __future__ import annotations

@@ -233,8 +233,7 @@ class Dispatcher:
         self._owner = os.getpid()
         self._lock = threading.Lock()
         self._pending: collections.deque[Task] = collections.deque()
-        # id(fn) -> (a reference to fn, the mean seconds its calls ran): _may_prefetch
-        self._run_times = RunTimes()
+        self._run_times = RunTimes()  # how long each function's calls run: _may_prefetch
         self._in_hand: Task | None = None  # a task taken off a worker, not settled yet
         self._workers: dict[int, _Worker] = {}
         self._slots = itertools.count()
@@ -242,7 +241,7 @@ class Dispatcher:
         self._init_failed: BaseException | None = None  # an initializer raised: breaking
         # an executor's thread imports the errors of a broken pool ahead of a death, once a
         # worker has answered and the thread then had nothing to do for BROKEN_QUIET (a
-        # Pool's only such error, an initializer's, comes as it starts): see _broken_errors
+        # Pool's only such error, an initializer's, comes as it starts): see broken_errors
         self._broken_ahead = break_on_death and BROKEN not in sys.modules
         self._answers = 0
         self._quiet_since = time.monotonic()
@@ -1263,7 +1262,7 @@ class Dispatcher:
     def _broken_error(self, error: ProcessExitedException) -> BaseException:
         broken = broken_errors()
         if broken is None:
-            return error  # (see _broken_errors) the same words, a ProcessExitedException
+            return error  # (see broken_errors) the same words, a ProcessExitedException
         terminated: BaseException = broken.TerminatedWorkerError(
             "A process in the process pool was terminated abruptly while the future was "
             "running or pending: " + error.msg,

@@ -117,19 +117,15 @@ def _procspawn_rows(repeats: int) -> dict[str, float]:
             inbox.put, lambda: outbox.get(timeout=60), lambda p=pooled: p, repeats
         )
         del pooled
-        rows["fresh 64 MiB"] = _per_message(
-            inbox.put,
-            lambda: outbox.get(timeout=60),
-            lambda: cupy.ones((64 << 20) // 4, dtype=cupy.float32),
-            repeats,
-        )
-        cuda.set_ipc(False)
-        rows["fresh 64 MiB, copied (set_ipc(False))"] = _per_message(
-            inbox.put,
-            lambda: outbox.get(timeout=60),
-            lambda: cupy.ones((64 << 20) // 4, dtype=cupy.float32),
-            repeats,
-        )
+        fresh = [("fresh 64 MiB", True), ("fresh 64 MiB, copied (set_ipc(False))", False)]
+        for label, ipc in fresh:
+            cuda.set_ipc(ipc)
+            rows[label] = _per_message(
+                inbox.put,
+                lambda: outbox.get(timeout=60),
+                lambda: cupy.ones((64 << 20) // 4, dtype=cupy.float32),
+                repeats,
+            )
         cuda.set_ipc(True)
         rows["SIGKILL 1 GiB back (s)"] = _kill_while_holding(
             lambda: cupy.zeros(1 << 28, dtype=cupy.float32), inbox, outbox, p.pid, _cupy_free

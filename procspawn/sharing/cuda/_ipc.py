@@ -69,7 +69,6 @@ class IpcSegment(_fd.DeviceMemory):
 
     def __init__(
         self,
-        *,
         address: int,
         size: int,
         device: int,
@@ -78,9 +77,9 @@ class IpcSegment(_fd.DeviceMemory):
         ipc_handle: bytes,
         block: int,
         slab: Segment | None,
-        opened: bool,
-        keepalive: Any = None,
     ) -> None:
+        """Opened here when ``slab`` is given (a receiver's mapping, closed when it goes);
+        else the producer's own memory."""
         key = (producer, ipc_handle)
         self._fields(address=address, size=size, strategy=NAME, key=key, device=device)
         self.producer = producer
@@ -89,8 +88,8 @@ class IpcSegment(_fd.DeviceMemory):
         self.block = block
         self.slab = slab
         self.holds: list[tuple[Segment, int, int]] = []  # (slab, slot, block)
-        self.keepalive = keepalive
-        if opened:
+        self.keepalive: Any = None
+        if slab is not None:
             self._finalizer = weakref.ref(self, _closed)
             _opened[self._finalizer] = (os.getpid(), device, address, self.holds, size)
             _fd.track(self, self._finalizer)
@@ -120,31 +119,6 @@ def _closed(ref: weakref.ref[Any], opened: dict[Any, Any] = _opened) -> None:
         _slots.free(slab, index)
 
 
-def _segment(
-    address: int,
-    size: int,
-    device: int,
-    producer: tuple[int, int],
-    origin: int,
-    ipc_handle: bytes,
-    block: int,
-    slab: Segment | None,
-) -> IpcSegment:
-    """An IpcSegment: opened here (``slab`` given: a receiver's mapping, closed when it
-    goes) or the producer's own memory (``slab`` None)."""
-    return IpcSegment(
-        address=address,
-        size=size,
-        device=device,
-        producer=producer,
-        origin=origin,
-        ipc_handle=ipc_handle,
-        block=block,
-        slab=slab,
-        opened=slab is not None,
-    )
-
-
 def opened_bytes() -> int:
     """Bytes of other processes' allocations this process has open."""
     me = os.getpid()
@@ -163,7 +137,7 @@ def own_segment(pointer: int, device: int) -> tuple[IpcSegment, int] | None:
     with _mapcache.lock():
         segment = _mapcache.cached(NAME, (me, ipc_handle))
         if segment is None:
-            segment = _segment(base, size, device, me, base, ipc_handle, 0, None)
+            segment = IpcSegment(base, size, device, me, base, ipc_handle, 0, None)
             _mapcache.remember(segment)
     assert isinstance(segment, IpcSegment)
     return segment, pointer - base
@@ -213,7 +187,7 @@ class CudaIpcStrategy(SharingStrategy):
             keepalive = _slots.keepalives(block)
             if keepalive is None:
                 raise CudaError("a GPU array came back to its producer after it let go of it")
-            home = _segment(origin, size, device, producer, origin, ipc_handle, block, None)
+            home = IpcSegment(origin, size, device, producer, origin, ipc_handle, block, None)
             home.keepalive = keepalive
             return home
         _slots.hold(slab, index)
@@ -229,7 +203,7 @@ class CudaIpcStrategy(SharingStrategy):
                 f"a PID namespace. Keep the producer alive until the array is received, "
                 f"or send arrays from sharing.cuda.zeros/empty (cuda_fd), which outlive it."
             ) from None
-        segment = _segment(address, size, device, producer, origin, ipc_handle, block, slab)
+        segment = IpcSegment(address, size, device, producer, origin, ipc_handle, block, slab)
         segment.holds.append((slab, index, block))
         _fd.linger(segment)
         return segment

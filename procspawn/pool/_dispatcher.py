@@ -184,6 +184,9 @@ class Dispatcher:
         max_tasks: a worker exits after this many tasks and is replaced (None: never).
         break_on_death: an unexpected death fails every task and stops the pool (what
             ``concurrent.futures`` does); otherwise only the dead worker's task fails.
+        executor_rules: ``concurrent.futures``' rules for what a task does and raises (a
+            ``sys.exit()`` in a task is its error, the traceback's type) and for the
+            program's exit (the work given is done); otherwise ``multiprocessing.Pool``'s.
         lazy: start workers as work comes (up to ``processes``), not all at once.
         idle_timeout: a worker idle this long exits; started again when work comes.
         task_timeout: a task (a call, or a map chunk) running longer than this many
@@ -208,6 +211,7 @@ class Dispatcher:
         initargs: Iterable[Any] = (),
         max_tasks: int | None = None,
         break_on_death: bool = False,
+        executor_rules: bool = False,
         lazy: bool = False,
         idle_timeout: float | None = None,
         task_timeout: float | None = None,
@@ -225,6 +229,7 @@ class Dispatcher:
         self.start_method = start_method
         self.max_tasks = max_tasks
         self.break_on_death = break_on_death
+        self.executor_rules = executor_rules
         self.idle_timeout = idle_timeout
         self.name = name
         self.state = RUNNING
@@ -264,7 +269,7 @@ class Dispatcher:
             initializer,
             tuple(initargs) if initializer else (),
             _sharing_snapshot(),
-            break_on_death,  # an executor's worker keeps concurrent.futures' rules
+            executor_rules,
             start_method == "fork",  # forked: it has its parent's main module
         )
         # Queues, Locks in initargs only pickle as a process starts (deferred); with no
@@ -1052,7 +1057,7 @@ class Dispatcher:
             if tag == _tags.RESULT:
                 settle(task, True, message[1])
             else:
-                settle(task, False, remote_error(message[1], message[2], self.break_on_death))
+                settle(task, False, remote_error(message[1], message[2], self.executor_rules))
             self._in_hand = None
             self._done_with(worker)
         elif tag == _tags.READY:
@@ -1298,7 +1303,7 @@ def _at_exit() -> None:
     dispatchers = [d for d in list(_live) if d._owner == os.getpid()]
     try:
         for dispatcher in dispatchers:
-            if dispatcher.break_on_death and not interrupted and dispatcher.alive():
+            if dispatcher.executor_rules and not interrupted and dispatcher.alive():
                 dispatcher.close()
                 dispatcher.join()
             else:

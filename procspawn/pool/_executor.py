@@ -248,6 +248,7 @@ class ProcessPoolExecutor(_cf.Executor):
         retries: int = 0,
         max_memory_per_child: int | None = None,
         _idle_timeout: float | None = None,
+        _break_on_death: bool = True,
     ) -> None:
         if max_workers is None:
             max_workers = os.cpu_count() or 1
@@ -274,7 +275,8 @@ class ProcessPoolExecutor(_cf.Executor):
             initializer=initializer,
             initargs=initargs,
             max_tasks=max_tasks_per_child,
-            break_on_death=True,
+            break_on_death=_break_on_death,
+            executor_rules=True,
             # as work comes; under fork all at once, from this thread (forking the
             # dispatcher thread's process later would fork a threaded process)
             lazy=method != "fork",

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 _lock = threading.Lock()
 
 renew_lock_in_child(globals())
-_executor: ProcessPoolExecutor | None = None
-_settings: tuple[Any, ...] | None = None
+# one executor per kind: the stdlib's rules (a death breaks it), and one whose deaths fail
+# only the calls they ran (the joblib backend's)
+_executors: dict[bool, tuple[ProcessPoolExecutor, tuple[Any, ...]]] = {}
 
 
 def get_reusable_executor(
@@ -42,6 +43,7 @@ def get_reusable_executor(
     retries: int = 0,
     max_memory_per_child: int | None = None,
     kill_workers: bool = False,
+    _break_on_death: bool = True,
 ) -> ProcessPoolExecutor:
     """The program's reusable ``ProcessPoolExecutor``, made or adjusted as asked.
 
@@ -86,7 +88,6 @@ def get_reusable_executor(
             assert list(executor.map(abs, [-1, -2])) == [1, 2]
             assert get_reusable_executor(max_workers=2) is executor
     """
-    global _executor, _settings
     if max_workers is None:
         max_workers = os.cpu_count() or 1
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers <= 0:
@@ -119,9 +120,9 @@ def get_reusable_executor(
         max_memory_per_child,
     )
     with _lock:
-        executor = _executor
+        executor, previous = _executors.get(_break_on_death, (None, None))
         if executor is not None and executor._dispatcher.alive() and not executor._shutdown:
-            if reuse and _same(settings, _settings):
+            if reuse and _same(settings, previous):
                 if executor._max_workers != max_workers:
                     executor._max_workers = max_workers
                     executor._dispatcher.resize(max_workers)
@@ -130,7 +131,7 @@ def get_reusable_executor(
                 executor._dispatcher.terminate(wait=False)
             else:
                 executor.shutdown(wait=False)
-        _executor = ProcessPoolExecutor(
+        executor = ProcessPoolExecutor(
             max_workers,
             mp_context,
             initializer,
@@ -140,9 +141,17 @@ def get_reusable_executor(
             retries=retries,
             max_memory_per_child=max_memory_per_child,
             _idle_timeout=idle,
+            _break_on_death=_break_on_death,
         )
-        _settings = settings
-        return _executor
+        _executors[_break_on_death] = (executor, settings)
+        return executor
+
+
+def current_reusable_executor(break_on_death: bool = True) -> ProcessPoolExecutor | None:
+    """The reusable executor of that kind made last, if any (None after none was)."""
+    with _lock:
+        executor, _ = _executors.get(break_on_death, (None, None))
+    return executor
 
 
 def _same(settings: tuple[Any, ...], previous: tuple[Any, ...] | None) -> bool:

@@ -78,6 +78,9 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
         return f"{name}(...)"
     if kind == _worker.APPLY:
         args, kwargs = payload
+        calls_of = getattr(fn, "procspawn_calls", None)
+        if calls_of is not None:  # a runner of other calls (a joblib batch): name those
+            return _describe_calls(calls_of(*args, **kwargs), r)
         parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
         return f"{name}({', '.join(parts)})"
     items = list(payload)
@@ -88,6 +91,16 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
     if len(items) > 2:
         calls.append(f"... ({len(items)} calls in this chunk)")
     return ", ".join(calls)
+
+
+def _describe_calls(calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]], r: Any) -> str:
+    texts = []
+    for fn, args, kwargs in calls[:2]:
+        parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
+        texts.append(f"{name_of(fn)}({', '.join(parts)})")
+    if len(calls) > 2:
+        texts.append(f"... ({len(calls)} calls in this batch)")
+    return ", ".join(texts)
 
 
 def settle(task: Task, ok: bool, value: Any) -> None:

@@ -41,8 +41,8 @@ floor       modules
             (small arrays carved out of shared slabs), ``_ndarray`` (array layout over
             segments), ``_arrays`` (the public empty/zeros/is_shared/share_memory_/trim)
 3 wire/     ``_handles`` (a segment on the wire, once per message), ``_reductions``
-            (ndarray reducers: procspawn and stdlib channels), ``_pickler`` (``dumps`` /
-            ``loads``)
+            (ndarray reducers: procspawn and stdlib channels), ``_swap`` (an object sent
+            with other arrays in place of its own), ``_pickler`` (``dumps`` / ``loads``)
 4 channels/ ``_fdpass`` (message framing over UNIX sockets, SCM_RIGHTS),
             ``_connection`` (Connection, Pipe), ``_queues``, ``_startup`` (the start-up
             message)

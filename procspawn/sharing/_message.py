@@ -69,7 +69,16 @@ class Message:
 class SendState:
     """What reducers add to the message being pickled on this thread."""
 
-    __slots__ = ("fds", "fd_index", "keepalive", "owned", "memo", "on_abandon", "durable")
+    __slots__ = (
+        "fds",
+        "fd_index",
+        "keepalive",
+        "owned",
+        "memo",
+        "on_abandon",
+        "durable",
+        "swap_array",
+    )
 
     def __init__(self) -> None:
         # the message may outlive its sender (a rank's result): what a sender's death
@@ -81,6 +90,8 @@ class SendState:
         self.owned: list[int] = []
         self.memo: dict[Any, Any] = {}  # what reducers made once per message
         self.on_abandon: list[Callable[[], Any]] = []  # undo what reducers took
+        # what goes in place of each array pickled now (see wire/_swap); None: the array
+        self.swap_array: Callable[[Any], Any] | None = None
 
     def add_fd(self, fd: int, owner: Any) -> int:
         """Send ``fd`` (once per message); ``owner`` keeps it open until the message is

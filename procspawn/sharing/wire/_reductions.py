@@ -39,6 +39,9 @@ from . import _handles
 
 
 def _reduce_ndarray(array: np.ndarray) -> Any:
+    swap = _message.sending().swap_array
+    if swap is not None:
+        array = swap(array)
     # no bytes to share (and a reversed empty view points past its block); or references
     # to objects of this process, which no other can read (by value, even over a segment)
     if array.size == 0 or array.dtype.hasobject:

@@ -1,0 +1,366 @@
+"""A joblib backend: ``joblib.Parallel``, and scikit-learn's ``n_jobs=``, on procspawn's pool.
+
+Register it once, then select it by name as any joblib backend::
+
+    import joblib
+    import procspawn.joblib
+
+    procspawn.joblib.register()
+
+    with joblib.parallel_config(backend="procspawn", n_jobs=2, task_timeout=600):
+        results = joblib.Parallel()(joblib.delayed(abs)(-i) for i in range(4))
+
+What changes against joblib's default (loky):
+
+* large array arguments (over ``max_nbytes``, joblib's default 1 MB) go to the workers
+  through shared memory, one copy per ``Parallel`` call however many tasks get them, as
+  views by ``mmap_mode`` (``"r"``, the default: read-only; ``"r+"``/``"w+"``: writable,
+  one copy every task of the call sees; ``"c"``: a private copy per task; ``None``: by
+  value); no temporary folder, nothing left in ``/dev/shm`` after a kill; large results
+  come back through shared memory too;
+* a worker's death fails the tasks it ran with procspawn's error (pid, signal or exit
+  code, the out-of-memory verdict, the last lines it wrote to stderr), raised by
+  ``Parallel``; on the first error only this call's running tasks are stopped, the
+  workers of other calls go on;
+* procspawn's options, given to ``parallel_config`` (or ``Parallel``) with the backend:
+  ``task_timeout``, ``retries``, ``max_tasks_per_child``, ``max_memory_per_child``,
+  ``start_method`` and ``idle_worker_timeout`` (loky's: seconds before an idle worker
+  exits, default 300).
+
+joblib is imported here only: ``import procspawn`` never imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+import threading
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import joblib
+from joblib.parallel import (
+    AutoBatchingMixin,
+    FallbackToBackend,
+    ParallelBackendBase,
+    SequentialBackend,
+)
+
+from .context.launch._start_method import start_method_of
+from .pool._failures import check_options
+from .pool._reusable import current_reusable_executor, get_reusable_executor
+from .sharing.wire._swap import Swapped
+
+if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Future
+
+    import numpy as np
+
+    from .pool._executor import ProcessPoolExecutor
+
+NAME = "procspawn"
+
+_OPTIONS = {
+    "task_timeout": None,
+    "retries": 0,
+    "max_tasks_per_child": None,
+    "max_memory_per_child": None,
+    "start_method": None,
+    "idle_worker_timeout": 300,
+}
+# what Parallel passes to every backend, which this one has no use for (no temporary
+# folder; the start method is procspawn's, or the start_method option)
+_IGNORED = ("temp_folder", "context", "verbose", "prefer", "require")
+_MMAP_MODES = (None, "r", "r+", "w+", "c")
+
+
+def register(name: str = NAME, make_default: bool = False) -> None:
+    """Make the backend known to joblib as ``name`` (``"procspawn"``).
+
+    Then ``joblib.parallel_config(backend="procspawn", ...)`` selects it, for
+    ``joblib.Parallel`` and for every library that calls it (scikit-learn's ``n_jobs=``).
+    ``make_default=True`` makes it joblib's default backend instead of loky.
+    """
+    joblib.register_parallel_backend(name, ProcspawnBackend, make_default=make_default)
+
+
+def shutdown(wait: bool = True) -> None:
+    """Stop the backend's workers now (otherwise they exit after ``idle_worker_timeout``
+    seconds without work, or with the program). A later ``Parallel`` call starts new ones.
+    """
+    executor = current_reusable_executor(break_on_death=False)
+    if executor is not None:
+        executor.shutdown(wait=wait)
+
+
+class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[misc]
+    """joblib's backend interface over procspawn's reusable executor (see the module)."""
+
+    supports_retrieve_callback = True
+    supports_inner_max_num_threads = True
+    supports_sharedmem = False
+    uses_threads = False
+
+    def __init__(
+        self,
+        nesting_level: int | None = None,
+        inner_max_num_threads: int | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads)
+        self.options = {**_OPTIONS, **_checked(options)}
+        self.parallel: Any = None
+        self._executor: ProcessPoolExecutor | None = None
+        self._arrays: _CallArrays | None = None
+        self._env: dict[str, str] = {}
+        self._futures: set[Future[Any]] = set()
+        self._lock = threading.Lock()
+        self._callbacks: _Callbacks | None = None
+
+    def effective_n_jobs(self, n_jobs: int | None) -> int:
+        """loky's rules: -1 is every CPU joblib counts, -2 all but one, and so on; 1 in a
+        daemonic process or below a thread (with a warning)."""
+        import multiprocessing
+
+        if n_jobs == 0:
+            raise ValueError("n_jobs == 0 in Parallel has no meaning")
+        if n_jobs is None:
+            return 1
+        if multiprocessing.current_process().daemon:
+            if n_jobs != 1:
+                warnings.warn(
+                    "procspawn-backed parallel loops cannot be called in a daemonic "
+                    "process, setting n_jobs=1",
+                    stacklevel=3,
+                )
+            return 1
+        if not (self.in_main_thread() or self.nesting_level == 0):
+            if n_jobs != 1:
+                warnings.warn(
+                    "procspawn-backed parallel loops cannot be nested below threads, "
+                    "setting n_jobs=1",
+                    stacklevel=3,
+                )
+            return 1
+        if n_jobs < 0:
+            n_jobs = max(joblib.cpu_count() + 1 + n_jobs, 1)
+        return int(n_jobs)
+
+    def configure(
+        self,
+        n_jobs: int = 1,
+        parallel: Any = None,
+        prefer: str | None = None,
+        require: str | None = None,
+        max_nbytes: int | None = 1_000_000,
+        mmap_mode: str | None = "r",
+        **options: Any,
+    ) -> int:
+        """Get the executor for ``n_jobs`` workers with this call's options."""
+        n_jobs = self.effective_n_jobs(n_jobs)
+        if n_jobs == 1:
+            raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
+        for name in _IGNORED:
+            options.pop(name, None)
+        settings = {**self.options, **_checked(options)}
+        if mmap_mode not in _MMAP_MODES:
+            raise ValueError(f"mmap_mode must be one of {_MMAP_MODES}, got {mmap_mode!r}")
+        self._executor = get_reusable_executor(
+            n_jobs,
+            settings["idle_worker_timeout"],
+            mp_context=settings["start_method"],
+            max_tasks_per_child=settings["max_tasks_per_child"],
+            task_timeout=settings["task_timeout"],
+            retries=settings["retries"],
+            max_memory_per_child=settings["max_memory_per_child"],
+            _break_on_death=False,
+        )
+        self._arrays = _CallArrays.for_mode(max_nbytes, mmap_mode)
+        self._env = self._prepare_worker_env(n_jobs)
+        self._callbacks = _Callbacks()
+        self.parallel = parallel
+        return n_jobs
+
+    def submit(self, func: Any, callback: Any = None) -> Future[Any]:
+        """Run a batch of joblib calls in a worker; ``callback`` runs once it is done, in
+        this backend's own thread (it may submit the next batch and read the caller's
+        generator: never in the thread that serves the executor)."""
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("the procspawn backend is not configured (or terminated)")
+        arrays = self._arrays
+        batch = func if arrays is None else Swapped(func, arrays.swap)
+        future = executor.submit(_run_batch, batch, self._env)
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(functools.partial(self._settled, callback))
+        return future
+
+    def _settled(self, callback: Any, future: Future[Any]) -> None:
+        with self._lock:
+            self._futures.discard(future)
+        callbacks = self._callbacks
+        if callback is not None and callbacks is not None:
+            callbacks.call(callback, future)
+
+    def retrieve_result_callback(self, future: Future[Any]) -> Any:
+        return future.result()
+
+    def abort_everything(self, ensure_ready: bool = True) -> None:
+        """The first error: stop this call's tasks (cancel those waiting, kill the
+        workers running the others; new workers take their places). The executor, and
+        every other call's tasks on it, go on."""
+        with self._lock:
+            futures = list(self._futures)
+        for future in futures:
+            kill = getattr(future, "kill", None)
+            if kill is not None:
+                kill()
+
+    def terminate(self) -> None:
+        """The call is over: let go of its shared copies and its callback thread; the
+        workers stay for the next call."""
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks is not None:
+            callbacks.stop()
+        self._arrays = None
+        self._executor = None
+        self.reset_batch_stats()
+
+
+def _checked(options: dict[str, Any]) -> dict[str, Any]:
+    """The backend's options, each known and valid, with their defaults."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"procspawn's joblib backend has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(_OPTIONS)}"
+        )
+    settings = {**_OPTIONS, **options}
+    check_options(settings["task_timeout"], settings["retries"], settings["max_memory_per_child"])
+    start_method_of(settings["start_method"])  # an unknown one is refused now
+    return dict(options)
+
+
+class _CallArrays:
+    """One ``Parallel`` call's large array arguments: each sent as one shared copy, made
+    the first time a task of the call gets it (the same array object: the same copy)."""
+
+    def __init__(self, max_nbytes: int, writeable: bool) -> None:
+        self.max_nbytes = max_nbytes
+        self.writeable = writeable
+        self._copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_mode(cls, max_nbytes: int | None, mmap_mode: str | None) -> _CallArrays | None:
+        """None where arrays go by value: ``mmap_mode`` None, ``max_nbytes`` None, or
+        ``"c"`` (a private copy per task, which is what a message carries anyway)."""
+        if max_nbytes is None or mmap_mode in (None, "c"):
+            return None
+        return cls(max_nbytes, writeable=mmap_mode in ("r+", "w+"))
+
+    def swap(self, array: np.ndarray) -> np.ndarray:
+        """What goes to the worker in place of ``array`` (runs while a task is pickled)."""
+        if array.nbytes <= self.max_nbytes or array.dtype.hasobject:
+            return array
+        key = id(array)
+        with self._lock:
+            known = self._copies.get(key)
+            if known is None:
+                known = self._copies[key] = (array, self._shared(array))
+        return known[1]
+
+    def _shared(self, array: np.ndarray) -> np.ndarray:
+        from .sharing.segments._arrays import is_shared
+        from .sharing.segments._ndarray import copy_to_segment
+
+        # one already in shared memory goes as it is: writes reach the caller's array
+        shared = array if is_shared(array) else copy_to_segment(array)
+        if self.writeable:
+            return shared
+        view: np.ndarray = shared.view()
+        view.flags.writeable = False
+        return view
+
+
+class _Callbacks:
+    """A thread of the backend's own that runs joblib's completion callbacks in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def call(self, callback: Any, future: Any) -> None:
+        self._queue.put((callback, future))
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="procspawn-joblib-callbacks", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            callback, future = item
+            try:
+                callback(future)
+            except BaseException:  # noqa: BLE001 -- as concurrent.futures does for its own
+                logging.getLogger("procspawn.joblib").exception(
+                    "a joblib completion callback raised"
+                )
+
+
+# -- in the worker --------------------------------------------------------------------------
+
+_limits: dict[str, str] | None = None  # the thread limits this worker has now
+
+
+def _run_batch(batch: Any, env: dict[str, str]) -> Any:
+    """Run a batch of joblib calls with the thread limits of its call."""
+    if env != _limits:
+        _limit_threads(env)
+    return batch()
+
+
+def _calls_of(batch: Any, env: dict[str, str]) -> list[Any]:
+    """The calls of a batch, for an error's "while running ..." (in the parent)."""
+    if isinstance(batch, Swapped):
+        batch = batch.obj
+    return list(getattr(batch, "items", ()))
+
+
+_run_batch.procspawn_calls = _calls_of  # type: ignore[attr-defined]
+
+
+def _limit_threads(env: dict[str, str]) -> None:
+    """BLAS and OpenMP threads as the call asks: the variables for libraries loaded from
+    now on, threadpoolctl for those loaded already (a fork server's NumPy)."""
+    global _limits
+    os.environ.update(env)
+    _limits = env
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # joblib runs without it; so do the variables
+        return
+    try:
+        openmp = int(env["OMP_NUM_THREADS"])
+        blas = min(
+            int(env[name])
+            for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
+        )
+    except (KeyError, ValueError):  # a value the variable's library reads its own way
+        return
+    threadpool_limits(limits={"openmp": openmp, "blas": blas})
+
+
+__all__ = ["ProcspawnBackend", "register", "shutdown"]

@@ -26,7 +26,7 @@ README_LIMIT = 8192
 QUICK_START = [
     "python3 -m venv .venv && .venv/bin/pip install -q -e '.[examples]' "
     "&& .venv/bin/python examples/hogwild.py",
-    "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test,examples,ray]' "
+    "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test,examples,ray,joblib,dask]' "
     "&& .venv/bin/python -m pytest",
 ]
 RUN_TIMEOUT = 60

@@ -9,6 +9,7 @@ re-exports unchanged, are listed in one table instead of being documented again.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import multiprocessing
 import types
@@ -62,6 +63,7 @@ ERRORS = "Errors"
 OTHER = "Other names"
 ORDER = [title for title, _ in GROUPS[:-1]] + [ERRORS, OTHER, GROUPS[-1][0]]
 SUBPACKAGES = ("context", "pool", "sharing")
+EXTRAS = ("joblib",)  # modules of an optional extra: ``import procspawn`` does not import them
 CLASS_OPTIONS = (":members:", ":show-inheritance:")
 
 
@@ -167,6 +169,13 @@ def api_markdown() -> str:
                 documented[id(obj)] = f"procspawn.{package}.{name}"
         if aliases:
             out += ["Also here, documented above:", "", *aliases, ""]
+
+    for extra in EXTRAS:
+        module = importlib.import_module(f"procspawn.{extra}")
+        out += [f"## `procspawn.{extra}`", ""]
+        out += [f"```{{py:module}} procspawn.{extra}", "```", "", _summary(module), ""]
+        for name in module.__all__:
+            out.append(_directive(f"procspawn.{extra}.{name}", getattr(module, name)))
 
     primitives = sections[PRIMITIVES]
     if primitives:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pool import TaskTimeoutError as TaskTimeoutError
     from .pool import TerminatedWorkerError as TerminatedWorkerError
     from .pool import get_reusable_executor as get_reusable_executor
+    from .pool import process_map as process_map
     from .sharing import ChannelClosed as ChannelClosed
     from .sharing import CudaError as CudaError
     from .sharing import FdLimitError as FdLimitError
@@ -97,6 +98,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "Pool": (".pool", "Pool"),
     "ProcessPoolExecutor": (".pool", "ProcessPoolExecutor"),
     "get_reusable_executor": (".pool", "get_reusable_executor"),
+    "process_map": (".pool", "process_map"),
     "InitializerError": (".pool", "InitializerError"),
     "TaskTimeoutError": (".pool", "TaskTimeoutError"),
     "TerminatedWorkerError": (".pool", "TerminatedWorkerError"),

@@ -121,3 +121,155 @@ def test_the_ranks_rates_add_up_to_the_bar_s(capsys):
     assert sum(bar.rates()) == pytest.approx(total_rate, rel=0.05)
     assert bar.counts == [300, 100]
     bar.close()
+
+
+# -- progress where people look: pool tasks, tqdm classes, callables, process_map --------
+
+
+def report_steps(n):
+    """A pool task that reports its own progress, one step at a time."""
+    import time
+
+    for _ in range(n):
+        mp.progress()
+        time.sleep(0.001)
+    return n
+
+
+def report_after_returning(n):
+    """Reports steps from a thread that outlives the task (the worker's next answers must
+    still arrive whole)."""
+    import threading
+    import time
+
+    def keep_reporting():
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            mp.progress()
+
+    threading.Thread(target=keep_reporting, daemon=True).start()
+    return n
+
+
+def square(x):
+    return x * x
+
+
+class Calls:
+    """A progress callable that records what it was called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, count, total):
+        self.calls.append((count, total))
+
+
+@pytest.mark.timeout(60)
+def test_pool_tasks_report_steps_and_the_display_counts_them():
+    seen = Calls()
+    with mp.Pool(2) as pool:
+        assert pool.map(report_steps, [40] * 4, chunksize=1, progress=seen) == [40] * 4
+    # steps, not tasks: the total the pool took from the 4 items is dropped
+    assert seen.calls[-1] == (160, None)
+    assert all(b[0] >= a[0] for a, b in zip(seen.calls, seen.calls[1:]))
+
+
+@pytest.mark.timeout(60)
+def test_a_given_total_of_steps_is_kept_under_imap_and_the_executor():
+    seen = Calls()
+    shown = mp.Progress(total=90, callback=seen)
+    with mp.Pool(2) as pool:
+        assert sorted(pool.imap_unordered(report_steps, [30] * 3, progress=shown)) == [30] * 3
+    assert seen.calls[-1] == (90, 90) and shown.count == 90
+    seen = Calls()
+    with mp.ProcessPoolExecutor(2) as executor:
+        results = executor.map(report_steps, [25] * 2, progress=mp.Progress(50, callback=seen))
+        assert list(results) == [25, 25]
+    assert seen.calls[-1] == (50, 50)
+
+
+@pytest.mark.timeout(60)
+def test_tasks_that_report_nothing_are_counted_as_they_finish():
+    seen = Calls()
+    with mp.Pool(2) as pool:
+        assert pool.map(square, range(10), progress=seen) == [x * x for x in range(10)]
+    assert seen.calls[-1] == (10, 10)
+
+
+@pytest.mark.timeout(60)
+def test_steps_reported_after_a_task_returned_do_not_garble_the_next_answers():
+    with mp.Pool(1) as pool:
+        got = pool.map(report_after_returning, range(20), chunksize=1, progress=Calls())
+    assert got == list(range(20))
+
+
+@pytest.mark.timeout(60)
+def test_progress_takes_a_tqdm_class():
+    tqdm = pytest.importorskip("tqdm")
+    import io
+
+    bars = []
+
+    class Recording(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    with mp.Pool(2) as pool:
+        assert pool.map(square, range(6), progress=Recording) == [x * x for x in range(6)]
+    [bar] = bars
+    assert (bar.n, bar.total) == (6, 6)
+
+
+@pytest.mark.timeout(60)
+def test_the_default_bar_is_tqdm_auto(monkeypatch):
+    tqdm_auto = pytest.importorskip("tqdm.auto")
+    import io
+
+    made = []
+
+    class Recording(tqdm_auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(tqdm_auto, "tqdm", Recording)
+    with mp.Pool(2) as pool:
+        pool.map(square, range(3), progress=mp.Progress(show=True))
+    assert len(made) == 1 and made[0].n == 3
+
+
+def test_a_bad_progress_argument_says_what_it_takes():
+    with mp.Pool(1) as pool:
+        with pytest.raises(TypeError, match="a tqdm class or a callable"):
+            pool.map(square, range(3), progress="yes")
+
+
+@pytest.mark.timeout(60)
+def test_process_map_has_tqdms_signature(capsys):
+    got = mp.process_map(square, range(8), max_workers=2, chunksize=3, desc="squares")
+    assert got == [x * x for x in range(8)]
+    assert "squares" in capsys.readouterr().err
+    got = mp.process_map(pow, [2, 3], [3, 2], max_workers=2, disable=True)
+    assert got == [8, 9]
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.timeout(60)
+def test_process_map_counts_the_steps_its_tasks_report():
+    tqdm = pytest.importorskip("tqdm")
+    import io
+
+    bars = []
+
+    class Recording(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    got = mp.process_map(report_steps, [20, 20], max_workers=2, tqdm_class=Recording, total=40)
+    assert got == [20, 20] and bars[0].n == 40

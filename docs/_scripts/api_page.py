@@ -32,7 +32,10 @@ GROUPS: list[tuple[str, list[str]]] = [
             "set_forkserver_preload",
         ],
     ),
-    ("Pools and executors", ["Pool", "ProcessPoolExecutor", "get_reusable_executor"]),
+    (
+        "Pools and executors",
+        ["Pool", "ProcessPoolExecutor", "get_reusable_executor", "process_map"],
+    ),
     (
         "Drop-in for multiprocessing",
         ["Process", "Queue", "JoinableQueue", "SimpleQueue", "Pipe", "get_context"],

@@ -5,9 +5,14 @@ rank, so ranks never write the same line) when ``spawn(..., progress=...)`` asks
 it travels to the ranks with the spawn payload. In a rank, ``procspawn.progress(n)`` adds
 ``n`` to its own slot: one memory write under a lock of the rank's own (its threads may
 all count; the parent only reads), no message. The
-parent sums the slots while it joins and renders a bar: tqdm when it is installed, a plain
-one-line display otherwise, and nothing when stderr is not a terminal unless asked.
-Without ``progress=`` nothing is allocated and ``procspawn.progress`` returns at once.
+parent sums the slots while it joins and renders a bar: tqdm when it is installed
+(``tqdm.auto``: a widget in Jupyter), a plain one-line display otherwise, and nothing when
+stderr is not a terminal (nor a notebook's) unless asked. Without ``progress=`` nothing is
+allocated and ``procspawn.progress`` returns at once.
+
+In a pool's worker, ``procspawn.progress(n)`` goes to the parent as a message instead (at
+most one per ``_REPORT_EVERY`` seconds, and before the task's result): the parent adds it
+to the display of the call whose task the worker runs.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ _INTERVAL_LOG = 5.0  # ... and between lines when output is not a terminal (show
 
 # In a rank: (the counters as a memoryview of int64, this rank's index), set by the worker.
 _counter: tuple[Any, int] | None = None
+# In a pool's worker: what sends the steps to the parent (see pool._worker).
+_sink: Callable[[int], None] | None = None
 _lock = threading.Lock()  # a read-add-write of the slot is not atomic between threads
 
 
@@ -39,8 +46,10 @@ def progress(n: int = 1) -> None:
 
     Any thread of the rank may call it; it costs one write to shared memory (no message),
     so calling it on every step is fine. The parent asks for it with
-    ``spawn(..., progress=...)``; elsewhere (no such parent, or in the parent itself) it
-    does nothing.
+    ``spawn(..., progress=...)``. In a task of a pool (``Pool.map``, ``imap``, the
+    executor's ``map``, with ``progress=``), the steps go to the call's display, which
+    then counts them instead of finished tasks (a message to the parent at most every
+    0.05 s). Elsewhere (no such parent, or in the parent itself) it does nothing.
 
     Args:
         n: the steps done since the last call.
@@ -62,6 +71,10 @@ def progress(n: int = 1) -> None:
         view, index = counter
         with _lock:
             view[index] += n
+        return
+    sink = _sink
+    if sink is not None:
+        sink(n)
 
 
 def _reset_after_fork() -> None:
@@ -105,11 +118,20 @@ class Progress:
             terminal.
         desc: the label in front of the bar.
         use_tqdm: None uses tqdm when it is installed; False forces the plain display.
+        tqdm_class: the tqdm class to draw with (``tqdm.rich.tqdm``,
+            ``tqdm.notebook.tqdm``, one of your own); default ``tqdm.auto.tqdm``, a widget
+            in Jupyter and a text bar elsewhere. Given, the bar is shown (``show`` True).
+        callback: called as ``callback(count, total)`` instead of drawing, from the thread
+            that waits, each time the count changed (at most every 0.1 s) and once at the
+            end: for a GUI, a log, a web page.
+        bar_options: more keyword arguments for the tqdm class (``unit``, ``leave``...).
 
     ``count`` and ``counts`` can be read at any time, e.g. while polling a
     ``ProcessContext`` (``ctx.progress.count``); ``render()`` redraws the display at most
     once per interval and ``close()`` ends it. The pools take one too
-    (``Pool.map(..., progress=...)``), counting finished items.
+    (``Pool.map(..., progress=...)``), counting finished items, or the steps the tasks
+    report with ``procspawn.progress()`` once one does (then ``total`` counts steps; a
+    total the pool took from the number of items is dropped).
 
     Raises:
         TypeError: ``total`` is not an int or None.
@@ -139,16 +161,27 @@ class Progress:
         show: bool | None = None,
         desc: str = "progress",
         use_tqdm: bool | None = None,
+        tqdm_class: Any = None,
+        callback: Callable[[int, int | None], object] | None = None,
+        bar_options: dict[str, Any] | None = None,
     ) -> None:
         if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
             raise TypeError(f"progress total must be an int or None, got {total!r}")
         if total is not None and total < 0:
             raise ValueError(f"progress total must be >= 0, got {total}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"progress callback must be callable, got {callback!r}")
         self.total = total
         self.per_rank = per_rank
-        self.show = show
+        self.show = True if tqdm_class is not None and show is None else show
         self.desc = desc
         self.use_tqdm = use_tqdm
+        self.tqdm_class = tqdm_class
+        self.callback = callback
+        self.bar_options = dict(bar_options or {})
+        self._total_given = total is not None
+        self._steps = 0  # a pool's: what its tasks reported with procspawn.progress()
+        self._called: int | None = None  # the count callback was last called with
         self._counters: Any = None
         self._nprocs = 0
         self._started = 0.0
@@ -184,7 +217,9 @@ class Progress:
         """
         self._counters = [0] * _SLOT
         self._nprocs = 1
-        if self.total is None:
+        self._steps = 0
+        self._called = None
+        if not self._total_given:
             self.total = total
         self._started = time.monotonic()
         self._last_draw = 0.0
@@ -202,11 +237,26 @@ class Progress:
         """
         self._counters[0] += n
 
+    def report(self, n: int) -> None:
+        """Count ``n`` steps a task reported with ``procspawn.progress()`` (a pool calls
+        it, from its thread): from the first, the display counts these steps, not tasks.
+
+        Args:
+            n: the steps reported.
+        """
+        if not self._steps and not self._total_given and self.total is not None:
+            self.total = None  # a count of tasks, not of steps
+            if self._bar is not None:
+                self._bar.total = None
+        self._steps += n
+
     @property
     def counts(self) -> list[int]:
         """Steps reported so far, by rank."""
         if self._counters is None:
             return []
+        if self._steps:
+            return [self._steps]
         return [int(v) for v in self._counters[::_SLOT][: self._nprocs]]
 
     @property
@@ -226,10 +276,7 @@ class Progress:
     def _visible(self) -> bool:
         if self.show is not None:
             return self.show
-        try:
-            return sys.stderr.isatty()
-        except (AttributeError, ValueError):
-            return False
+        return self._is_tty() or _in_notebook()
 
     def render(self, force: bool = False) -> None:
         """Redraw the display (at most once per interval unless ``force``).
@@ -245,6 +292,13 @@ class Progress:
         now = time.monotonic()
         if not force and now - self._last_draw < _INTERVAL_TTY:
             return  # (cheap enough to call on every step)
+        if self.callback is not None:
+            self._last_draw = now
+            count = self.count
+            if count != self._called:
+                self._called = count
+                self.callback(count, self.total)
+            return
         if not self._visible():
             return
         tty = self._is_tty()
@@ -278,7 +332,7 @@ class Progress:
     def _use_tqdm(self) -> bool:
         if self.use_tqdm is False:
             return False
-        if self._bar is not None:
+        if self._bar is not None or self.tqdm_class is not None:
             return True
         try:
             import tqdm  # noqa: F401
@@ -291,14 +345,19 @@ class Progress:
         return True
 
     def _draw_tqdm(self) -> None:
-        import tqdm
-
         if self._bar is None:
+            cls = self.tqdm_class
+            if cls is None:
+                import tqdm.auto
+
+                cls = tqdm.auto.tqdm
             # the bar's rate as the per-rank ones: steps since the ranks started over the
             # seconds since then (not tqdm's recent average), so that the ranks' rates add
             # up to the bar's
-            self._bar = tqdm.tqdm(total=self.total, desc=self.desc, file=sys.stderr, smoothing=0)
-            self._bar.start_t -= time.monotonic() - self._started
+            options = {"file": sys.stderr, "smoothing": 0, **self.bar_options}
+            self._bar = cls(total=self.total, desc=self.desc, **options)
+            if hasattr(self._bar, "start_t"):
+                self._bar.start_t -= time.monotonic() - self._started
         if self.per_rank:
             self._bar.set_postfix_str(self._rank_rates(), refresh=False)
         self._bar.update(self.count - self._bar.n)  # redraws as tqdm sees fit
@@ -329,6 +388,15 @@ class Progress:
         return " ".join(f"r{r} {rate:,.0f}/s" for r, rate in enumerate(self.rates()))
 
 
+def _in_notebook() -> bool:
+    """Whether this is a Jupyter kernel (whose stderr is no terminal, and shows widgets)."""
+    if "ipykernel" not in sys.modules:
+        return False
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     if seconds >= 3600:
@@ -349,7 +417,8 @@ def _write(text: str) -> None:
 
 def as_progress(value: Any) -> Progress | None:
     """The ``progress=`` argument of spawn and the pools: None/False, True (no total), an
-    int total, or a ``Progress``."""
+    int total, a ``Progress``, a tqdm class (the bar drawn with it) or a callable
+    (called as ``callback(count, total)``)."""
     if value is None or value is False:
         return None
     if value is True:
@@ -358,7 +427,11 @@ def as_progress(value: Any) -> Progress | None:
         return value
     if isinstance(value, int):
         return Progress(value)
+    if isinstance(value, type) and all(hasattr(value, a) for a in ("update", "close")):
+        return Progress(tqdm_class=value)
+    if callable(value) and not isinstance(value, type):
+        return Progress(callback=value)
     raise TypeError(
-        f"progress must be an int (the total number of steps), True, or a "
-        f"procspawn.Progress, got {type(value).__name__}"
+        f"progress must be an int (the total number of steps), True, a procspawn.Progress, "
+        f"a tqdm class or a callable(count, total), got {type(value).__name__}"
     )

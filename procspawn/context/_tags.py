@@ -11,9 +11,11 @@ Every message is a tuple whose first item is its tag::
                                            forkserver), for the parent to send by name
     (STARTED,)                             a pool worker took a task off its channel
     (INIT_FAILED, exception or None, text) a pool worker's initializer raised; it exits
+    (PROGRESS, n)                          a pool worker's task reported n steps done
+                                           (``procspawn.progress(n)``)
 
-A rank sends one message, RESULT or RAISED; a pool worker READY once, then STARTED and
-RESULT or RAISED per task.
+A rank sends one message, RESULT or RAISED; a pool worker READY once, then STARTED, any
+number of PROGRESS, and RESULT or RAISED per task.
 """
 
 RESULT = "r"
@@ -21,5 +23,6 @@ RAISED = "e"
 READY = "R"
 STARTED = "s"
 INIT_FAILED = "I"
+PROGRESS = "p"
 
-__all__ = ["INIT_FAILED", "RAISED", "READY", "RESULT", "STARTED"]
+__all__ = ["INIT_FAILED", "PROGRESS", "RAISED", "READY", "RESULT", "STARTED"]

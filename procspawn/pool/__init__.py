@@ -9,7 +9,7 @@ death fails exactly what it must and never hangs a caller.
 Levels, each module importing only from those below it (this table is the only place
 that states them):
 
-    5  _pool: Pool;  _reusable: get_reusable_executor
+    5  _pool: Pool;  _reusable: get_reusable_executor;  _process_map: tqdm's one-liner
     4  _executor: ProcessPoolExecutor;  _results: what Pool's asynchronous calls return;
        _imap: imap's iterators and the thread that feeds their input
     3  _dispatcher: the one thread that hands out tasks, reads results, watches and
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ._imap import IMapIterator as IMapIterator
     from ._imap import IMapUnorderedIterator as IMapUnorderedIterator
     from ._pool import Pool as Pool
+    from ._process_map import process_map as process_map
     from ._results import AsyncResult as AsyncResult
     from ._results import MapResult as MapResult
     from ._reusable import get_reusable_executor as get_reusable_executor
@@ -53,6 +54,7 @@ _LAZY = {
     "TaskTimeoutError": "._errors",
     "TerminatedWorkerError": "._broken",
     "get_reusable_executor": "._reusable",
+    "process_map": "._process_map",
 }
 
 __all__ = sorted(_LAZY)

@@ -1060,6 +1060,9 @@ class Dispatcher:
                 settle(task, False, remote_error(message[1], message[2], self.executor_rules))
             self._in_hand = None
             self._done_with(worker)
+        elif tag == _tags.PROGRESS:
+            if worker.tasks:
+                worker.tasks[0].job.report(message[1])
         elif tag == _tags.READY:
             worker.ready = True
             if len(message) > 1:  # spawn, forkserver: what its main module has

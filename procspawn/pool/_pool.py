@@ -443,6 +443,7 @@ class Pool:
             return result
         chunks = [(i, min(chunksize, len(items) - i)) for i in range(0, len(items), chunksize)]
         job = _MapJob(func, result, chunks)
+        job.progress = shown
         job.timeout = task_timeout
         result.job = job
         self._dispatcher.submit(
@@ -533,6 +534,7 @@ class Pool:
             shown.reset(total)
             it._progress = shown
         job = _IMapJob(func, it)
+        job.progress = shown
         job.timeout = task_timeout
         it.job = job
         self._iterators.add(it)

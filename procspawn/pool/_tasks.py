@@ -40,6 +40,7 @@ class Job:
     (False: drop it, it was cancelled) and ``settle`` with each task's outcome."""
 
     _ids = itertools.count(1)
+    progress: Any = None  # the call's display (a procspawn.Progress), if it has one
 
     def __init__(self, fn: Any, timeout: float | None = None) -> None:
         self.id = next(self._ids)
@@ -55,6 +56,11 @@ class Job:
 
     def settle(self, task: Task, ok: bool, value: Any) -> None:
         raise NotImplementedError
+
+    def report(self, n: int) -> None:
+        """A running task reported ``n`` steps done (``procspawn.progress`` in it)."""
+        if self.progress is not None:
+            self.progress.report(n)
 
     def describe(self, task: Task) -> str:
         """A short repr of the call a task makes, for error messages."""

@@ -15,6 +15,8 @@ between workers, so a worker's death can leave nothing half-written. Messages::
                        (RESULT, value)               a task's result
                        (RAISED, exception or None, text)  a task raised (text: its
                                                      traceback)
+                       (PROGRESS, n)                 the running task reported n steps
+                                                     (procspawn.progress; see _Steps)
 
 (the tags: ``context._tags``, the ranks' too)
 
@@ -36,9 +38,11 @@ import pickle
 import signal
 import socket
 import sys
+import threading
+import time
 import types
 
-from ..context import _tags
+from ..context import _progress, _tags
 from ..context.launch import _posix
 from ..sharing import _message
 from ..sharing._errors import ChannelClosed, FdLimitError
@@ -62,6 +66,47 @@ _EXIT = pickle.dumps(None, pickle.HIGHEST_PROTOCOL)  # what the parent sends to 
 # what the parent's main module has of this one's (see _main_names): a forked worker's
 # inherited main module is its parent's, so its functions and classes go back by name
 _parent_has: str | None = None
+_REPORT_EVERY = 0.05  # seconds: at most one PROGRESS message per this, per worker
+# every message to the parent is sent under it: a thread of a task may report progress
+# while this process' main thread sends an answer
+_send_lock = threading.Lock()
+
+
+def _send(channel: socket.socket, data: bytes, fds: Any = ()) -> None:
+    with _send_lock:
+        send_message(channel, data, fds)
+
+
+class _Steps:
+    """``procspawn.progress(n)`` in a task: the steps go to the parent as PROGRESS
+    messages, at most one per ``_REPORT_EVERY`` seconds, the rest before the answer."""
+
+    def __init__(self, channel: socket.socket) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.sent_at = 0.0
+
+    def add(self, n: int) -> None:
+        with self.lock:
+            self.pending += n
+            now = time.monotonic()
+            if now - self.sent_at >= _REPORT_EVERY:
+                self._send(now)
+
+    def flush(self) -> None:
+        """Send what is pending (the task is over: its steps come before its answer)."""
+        with self.lock:
+            if self.pending:
+                self._send(time.monotonic())
+
+    def _send(self, now: float) -> None:
+        n, self.pending = self.pending, 0
+        self.sent_at = now
+        try:
+            _send(self.channel, pickle.dumps((_tags.PROGRESS, n), pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            pass  # the parent is gone: the task goes on to its end as it would
 
 
 def main(
@@ -116,10 +161,10 @@ def main(
             if forked:
                 global _parent_has
                 _parent_has = _main_names.INHERITED
-                send_message(channel, _READY)
+                _send(channel, _READY)
             else:
                 ready = (_tags.READY, _main_names.main_index())
-                send_message(channel, pickle.dumps(ready, pickle.HIGHEST_PROTOCOL))
+                _send(channel, pickle.dumps(ready, pickle.HIGHEST_PROTOCOL))
             _serve(channel, max_tasks, executor)
         except (ChannelClosed, BrokenPipeError, ConnectionResetError):
             pass  # the parent closed our channel (it is stopping us, or gone): quietly
@@ -175,6 +220,8 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
     that cannot be pickled are that task's exception; a Pool's worker exits on the
     first (as the stdlib Pool's) and reports the second as ``MaybeEncodingError``."""
     reader = MessageReader(channel)
+    steps = _Steps(channel)
+    _progress._sink = steps.add
     functions: dict[int, Any] = {}
     done = 0
     _message.set_durable(True)  # results are read after this worker may have exited
@@ -185,7 +232,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             # at the descriptor limit: a task's arrays could not be received (the message
             # was read whole). That task fails with the error; the worker goes on.
             _pickler.give_back_unreceived(exc)
-            send_message(channel, _STARTED)
+            _send(channel, _STARTED)
             what = f"the arguments of a task could not be received ({exc.what})"
             _send_error(channel, _tags.RAISED, FdLimitError(what))
             done += 1
@@ -193,7 +240,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         except (ChannelClosed, OSError):
             return  # the parent is gone or closed the channel
         if data != _EXIT:
-            send_message(channel, _STARTED)
+            _send(channel, _STARTED)
         try:
             task = _pickler.loads_received(data, fds)
         except SystemExit:
@@ -224,11 +271,13 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             else:
                 value = [fn(*item) for item in payload]
         except BaseException as exc:
+            steps.flush()
             if isinstance(exc, SystemExit) and not executor:
                 raise
             del fn, payload
             _send_error(channel, _tags.RAISED, exc)
             continue
+        steps.flush()
         try:
             with _main_names.sending_to(_parent_has):
                 message = _pickler.dumps((_tags.RESULT, value))
@@ -240,7 +289,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         del fn, payload
         del value
         try:
-            send_message(channel, message.data, message.fds)
+            _send(channel, message.data, message.fds)
         finally:
             message.close()
 
@@ -314,7 +363,7 @@ def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: st
         except BaseException:
             message = _pickler.dumps((tag, None, text))
     try:
-        send_message(channel, message.data, message.fds)
+        _send(channel, message.data, message.fds)
     except OSError:
         pass  # the parent is gone; the exit code still tells
     finally:

@@ -36,6 +36,7 @@ import functools
 import logging
 import os
 import queue
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -192,7 +193,13 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
             raise RuntimeError("the procspawn backend is not configured (or terminated)")
         arrays = self._arrays
         batch = func if arrays is None else Swapped(func, arrays.swap)
-        future = executor.submit(_run_batch, batch, self._env)
+        # a new callable per batch: procspawn's pool holds a next task behind a busy
+        # worker's only for the same function measured short, and every batch would be
+        # _run_batch whatever it runs (a batch then waited behind a long one while other
+        # workers were idle)
+        runner = functools.partial(_run_batch)
+        runner.procspawn_calls = _calls_of  # type: ignore[attr-defined]
+        future = executor.submit(runner, batch, self._env)
         with self._lock:
             self._futures.add(future)
         future.add_done_callback(functools.partial(self._settled, callback))
@@ -323,13 +330,33 @@ class _Callbacks:
 # -- in the worker --------------------------------------------------------------------------
 
 _limits: dict[str, str] | None = None  # the thread limits this worker has now
+_exit_hooked = False  # _stop_nested runs at this worker's exit
 
 
 def _run_batch(batch: Any, env: dict[str, str]) -> Any:
     """Run a batch of joblib calls with the thread limits of its call."""
+    global _exit_hooked
+    if not _exit_hooked:
+        import multiprocessing.util
+
+        # priority >= 0: before multiprocessing joins this worker's children at its exit
+        multiprocessing.util.Finalize(None, _stop_nested, exitpriority=100)
+        _exit_hooked = True
+    if NAME not in joblib.parallel.BACKENDS:  # a nested Parallel(backend="procspawn")
+        register()
     if env != _limits:
         _limit_threads(env)
     return batch()
+
+
+def _stop_nested() -> None:
+    """At a worker's exit: stop the executors its batches started (nested Parallel
+    calls), as a loky worker does; loky's workers would otherwise wait out their idle
+    timeout (300 s), and this worker's exit, hence ``shutdown()``, with them."""
+    loky = sys.modules.get("joblib.externals.loky.process_executor")
+    if loky is not None:
+        loky._python_exit()
+    shutdown(wait=True)
 
 
 def _calls_of(batch: Any, env: dict[str, str]) -> list[Any]:

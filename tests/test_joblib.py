@@ -273,3 +273,36 @@ def test_import_procspawn_imports_no_joblib():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def loky_inside(n):
+    return sum(
+        joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(square)(j) for j in range(n))
+    )
+
+
+@pytest.mark.parametrize("n_jobs", [2, 4])
+def test_a_long_batch_holds_no_short_one_behind_it(n_jobs):
+    with joblib.parallel_config(backend="procspawn", n_jobs=n_jobs):
+        # (batches measured short: the pool would hold the next one behind a busy
+        # worker if every batch counted as one function)
+        parallel(batch_size=1)(delayed(nap)(0.001) for _ in range(20))
+        naps = [0.01, 30] + [0.01] * 8
+        results = parallel(return_as="generator_unordered", batch_size=1, pre_dispatch="all")(
+            delayed(nap)(s) for s in naps
+        )
+        start = time.monotonic()
+        firsts = [next(results) for _ in range(9)]
+        elapsed = time.monotonic() - start
+        with pytest.warns(UserWarning, match="cancelled"):  # joblib's, as under loky
+            results.close()  # joblib aborts the call: the 30 s task's worker is killed
+    assert firsts == [0.01] * 9
+    assert elapsed < 15, elapsed  # not behind the 30 s task
+
+
+def test_workers_that_ran_a_nested_loky_call_stop_at_once():
+    with joblib.parallel_config(backend="procspawn", n_jobs=2):
+        assert parallel()(delayed(loky_inside)(i) for i in (3, 4)) == [5, 14]
+    start = time.monotonic()
+    procspawn.joblib.shutdown(wait=True)  # loky's workers idle 300 s unless stopped
+    assert time.monotonic() - start < 30

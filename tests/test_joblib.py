@@ -306,3 +306,40 @@ def test_workers_that_ran_a_nested_loky_call_stop_at_once():
     start = time.monotonic()
     procspawn.joblib.shutdown(wait=True)  # loky's workers idle 300 s unless stopped
     assert time.monotonic() - start < 30
+
+
+def loky_then_sleep(i):
+    if i == 1:
+        joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(square)(j) for j in range(4))
+        time.sleep(30)
+    return i
+
+
+def loky_worker_pids():
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"LokyProcess" in f.read():
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def lokys_files():
+    return {name for name in os.listdir("/dev/shm") if "loky" in name or "joblib" in name}
+
+
+def test_a_task_timeout_kills_what_the_task_started():
+    before, files = set(loky_worker_pids()), lokys_files()
+    with joblib.parallel_config(backend="procspawn", n_jobs=2, task_timeout=5):
+        with pytest.raises(procspawn.TaskTimeoutError):
+            parallel(batch_size=1)(delayed(loky_then_sleep)(i) for i in range(2))
+    deadline = time.monotonic() + 10
+    while (set(loky_worker_pids()) - before or lokys_files() - files) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert not set(loky_worker_pids()) - before  # loky's workers went with their parent
+    assert not lokys_files() - files  # and loky's resource tracker removed their files

@@ -219,7 +219,7 @@ class Progress:
         self._nprocs = 1
         self._steps = 0
         self._called = None
-        if not self._total_given:
+        if self.total is None:
             self.total = total
         self._started = time.monotonic()
         self._last_draw = 0.0

@@ -62,6 +62,7 @@ from ..context.launch._child import (
     parent_death_signal_is_safe,
     start_child,
 )
+from ..context.launch._posix import kill_tree
 from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing._message import Message
 from ..sharing.channels._fdpass import (
@@ -742,7 +743,8 @@ class Dispatcher:
         _log.debug("killing pool worker pid %s: %s", worker.pid, why)
         worker.stopping = why
         worker.kill_at = None
-        send_signal(worker.proc, signal.SIGKILL)
+        if worker.pid is not None:  # with what its task started (loky's abort does so too)
+            kill_tree(worker.pid)
         self._fill()
 
     def _timeout_of(self, task: Task) -> float | None:

@@ -130,6 +130,48 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=_watch, name="procspawn-parent-watch", daemon=True).start()
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, and SIGTERM every process below it: what its task started (a
+    nested loky executor's workers, which would otherwise outlive it), each free to
+    clean up (a resource tracker ignores SIGTERM and exits once its clients are gone,
+    removing what they left in /dev/shm). Each process is stopped (SIGSTOP) as it is
+    found, so that none starts another while the tree is read; the tree is read from
+    ``/proc`` (Linux), elsewhere ``pid`` alone is killed."""
+    found = [pid]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+    i = 0
+    while i < len(found):
+        for child in _children(found[i]):
+            if child not in found:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGSTOP)
+                found.append(child)
+        i += 1
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    for member in found[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGTERM)
+            os.kill(member, signal.SIGCONT)
+
+
+def _children(pid: int) -> list[int]:
+    """The children of ``pid``, from every thread's ``/proc/<pid>/task/<tid>/children``."""
+    children: list[int] = []
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return children
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children.extend(int(word) for word in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return children
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -284,8 +284,10 @@ class _CallArrays:
         from .sharing.segments._arrays import is_shared
         from .sharing.segments._ndarray import copy_to_segment
 
-        # one already in shared memory goes as it is: writes reach the caller's array
-        shared = array if is_shared(array) else copy_to_segment(array)
+        # one already in shared memory goes as it is: writes reach the caller's array.
+        # Another is copied as a send copies it (for_send): into a recycled segment, its
+        # pages in place, when an earlier call's copy of that size is free again
+        shared = array if is_shared(array) else copy_to_segment(array, for_send=True)
         if self.writeable:
             return shared
         view: np.ndarray = shared.view()

@@ -27,6 +27,9 @@ renew_lock_in_child(globals())
 # one executor per kind: the stdlib's rules (a death breaks it), and one whose deaths fail
 # only the calls they ran (the joblib backend's)
 _executors: dict[bool, tuple[ProcessPoolExecutor, tuple[Any, ...]]] = {}
+# a forked child has its parent's executors without their threads and workers: none of
+# them is its to reuse, nor to shut down (a worker's exit would wait on threads it has not)
+os.register_at_fork(after_in_child=_executors.clear)
 
 
 def get_reusable_executor(

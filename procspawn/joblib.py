@@ -32,6 +32,7 @@ joblib is imported here only: ``import procspawn`` never imports this module.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import os
@@ -49,6 +50,7 @@ from joblib.parallel import (
     SequentialBackend,
 )
 
+from ._late import renew_lock_in_child
 from .context.launch._start_method import start_method_of
 from .pool._failures import check_options
 from .pool._reusable import current_reusable_executor, get_reusable_executor
@@ -114,11 +116,11 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         self.options = {**_OPTIONS, **_checked(options)}
         self.parallel: Any = None
         self._executor: ProcessPoolExecutor | None = None
-        self._arrays: _CallArrays | None = None
+        self._array_mode: tuple[int | None, str | None] = (None, None)
+        self._arrays: _CallArrays | None = None  # this call's (start_call to stop_call)
         self._env: dict[str, str] = {}
         self._futures: set[Future[Any]] = set()
         self._lock = threading.Lock()
-        self._callbacks: _Callbacks | None = None
 
     def effective_n_jobs(self, n_jobs: int | None) -> int:
         """loky's rules: -1 is every CPU joblib counts, -2 all but one, and so on; 1 in a
@@ -178,16 +180,23 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
             max_memory_per_child=settings["max_memory_per_child"],
             _break_on_death=False,
         )
-        self._arrays = _CallArrays.for_mode(max_nbytes, mmap_mode)
+        self._array_mode = (max_nbytes, mmap_mode)
         self._env = self._prepare_worker_env(n_jobs)
-        self._callbacks = _Callbacks()
         self.parallel = parallel
         return n_jobs
 
+    def start_call(self) -> None:
+        """A call begins: its own copies of its large arguments (a ``with Parallel() as
+        p`` block makes several calls, and an array may change between them)."""
+        self._arrays = _CallArrays.for_mode(*self._array_mode)
+
+    def stop_call(self) -> None:
+        """The call is over: its copies go (their memory, once the workers let go)."""
+        self._arrays = None
+
     def submit(self, func: Any, callback: Any = None) -> Future[Any]:
         """Run a batch of joblib calls in a worker; ``callback`` runs once it is done, in
-        this backend's own thread (it may submit the next batch and read the caller's
-        generator: never in the thread that serves the executor)."""
+        this module's callback thread (see ``_Callbacks``)."""
         executor = self._executor
         if executor is None:
             raise RuntimeError("the procspawn backend is not configured (or terminated)")
@@ -198,8 +207,15 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         # _run_batch whatever it runs (a batch then waited behind a long one while other
         # workers were idle)
         runner = functools.partial(_run_batch)
-        runner.procspawn_calls = _calls_of  # type: ignore[attr-defined]
-        future = executor.submit(runner, batch, self._env)
+        runner.__procspawn_calls__ = _calls_of  # type: ignore[attr-defined]
+        future: Future[Any]
+        try:
+            future = executor.submit(runner, batch, self._env)
+        except Exception as exc:  # (its executor was shut down meanwhile, say)
+            # joblib submits from its callback too, where a raise would be lost and the
+            # call would wait for ever: the error goes to joblib as this batch's outcome
+            future = concurrent.futures.Future()
+            future.set_exception(exc)
         with self._lock:
             self._futures.add(future)
         future.add_done_callback(functools.partial(self._settled, callback))
@@ -208,9 +224,8 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
     def _settled(self, callback: Any, future: Future[Any]) -> None:
         with self._lock:
             self._futures.discard(future)
-        callbacks = self._callbacks
-        if callback is not None and callbacks is not None:
-            callbacks.call(callback, future)
+        if callback is not None:
+            _callbacks.call(callback, future)
 
     def retrieve_result_callback(self, future: Future[Any]) -> Any:
         return future.result()
@@ -227,13 +242,8 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
                 kill()
 
     def terminate(self) -> None:
-        """The call is over: let go of its shared copies and its callback thread; the
-        workers stay for the next call."""
-        callbacks, self._callbacks = self._callbacks, None
-        if callbacks is not None:
-            callbacks.stop()
+        """The backend is done with (for now): the workers stay for the next call."""
         self._arrays = None
-        self._executor = None
         self.reset_batch_stats()
 
 
@@ -247,6 +257,16 @@ def _checked(options: dict[str, Any]) -> dict[str, Any]:
         )
     settings = {**_OPTIONS, **options}
     check_options(settings["task_timeout"], settings["retries"], settings["max_memory_per_child"])
+    tasks = settings["max_tasks_per_child"]
+    if tasks is not None and (isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1):
+        raise ValueError(f"max_tasks_per_child must be an int >= 1 or None, got {tasks!r}")
+    idle = settings["idle_worker_timeout"]
+    if idle is not None and (
+        isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0
+    ):
+        raise ValueError(
+            f"idle_worker_timeout must be a number of seconds > 0 or None, got {idle!r}"
+        )
     start_method_of(settings["start_method"])  # an unknown one is refused now
     return dict(options)
 
@@ -259,6 +279,7 @@ class _CallArrays:
         self.max_nbytes = max_nbytes
         self.writeable = writeable
         self._copies: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._made: set[int] = set()  # ids of the copies (kept alive in _copies)
         self._lock = threading.Lock()
 
     @classmethod
@@ -275,9 +296,12 @@ class _CallArrays:
             return array
         key = id(array)
         with self._lock:
+            if key in self._made:  # one of ours, reduced in its turn
+                return array
             known = self._copies.get(key)
             if known is None:
                 known = self._copies[key] = (array, self._shared(array))
+                self._made.add(id(known[1]))
         return known[1]
 
     def _shared(self, array: np.ndarray) -> np.ndarray:
@@ -287,7 +311,11 @@ class _CallArrays:
         # one already in shared memory goes as it is: writes reach the caller's array.
         # Another is copied as a send copies it (for_send): into a recycled segment, its
         # pages in place, when an earlier call's copy of that size is free again
-        shared = array if is_shared(array) else copy_to_segment(array, for_send=True)
+        if is_shared(array):
+            shared = array
+        else:
+            shared = copy_to_segment(array, for_send=True)
+            shared.flags.writeable = True  # (a copy of a read-only array is read-only)
         if self.writeable:
             return shared
         view: np.ndarray = shared.view()
@@ -296,37 +324,44 @@ class _CallArrays:
 
 
 class _Callbacks:
-    """A thread of the backend's own that runs joblib's completion callbacks in order."""
+    """The thread that runs joblib's completion callbacks, in order: one per process, for
+    every call and backend, started with the first (a daemon). joblib's callback may
+    submit the next batch and read the caller's generator: never in the thread that
+    serves the executor."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Any] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Any, Any]] | None = None
+        self._pid: int | None = None
 
     def call(self, callback: Any, future: Any) -> None:
-        self._queue.put((callback, future))
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="procspawn-joblib-callbacks", daemon=True
-                )
-                self._thread.start()
+        with _lock:
+            if self._pid != os.getpid():  # the first call, or a forked child (no thread)
+                self._queue = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._run,
+                    args=(self._queue,),
+                    name="procspawn-joblib-callbacks",
+                    daemon=True,
+                ).start()
+                self._pid = os.getpid()
+            assert self._queue is not None
+            self._queue.put((callback, future))
 
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
+    @staticmethod
+    def _run(calls: queue.SimpleQueue[tuple[Any, Any]]) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            callback, future = item
+            callback, future = calls.get()
             try:
                 callback(future)
             except BaseException:  # noqa: BLE001 -- as concurrent.futures does for its own
                 logging.getLogger("procspawn.joblib").exception(
                     "a joblib completion callback raised"
                 )
+
+
+_lock = threading.Lock()
+renew_lock_in_child(globals())
+_callbacks = _Callbacks()
 
 
 # -- in the worker --------------------------------------------------------------------------
@@ -366,9 +401,6 @@ def _calls_of(batch: Any, env: dict[str, str]) -> list[Any]:
     if isinstance(batch, Swapped):
         batch = batch.obj
     return list(getattr(batch, "items", ()))
-
-
-_run_batch.procspawn_calls = _calls_of  # type: ignore[attr-defined]
 
 
 def _limit_threads(env: dict[str, str]) -> None:

@@ -152,6 +152,12 @@ def sleep_then_pid(seconds):
 _hoard = []
 
 
+def resident_bytes():
+    """This worker's resident memory now (under fork, what it shares with its parent too)."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def grow_then_pid(nbytes):
     """Keep ``nbytes`` more resident in this worker (touched), return the pid."""
     block = bytearray(nbytes)

@@ -100,7 +100,7 @@ def blas_threads(_):
 def failing(i):
     if i == 2:
         raise ValueError(f"task {i} says no")
-    time.sleep(0.5)
+    time.sleep(1)
     return i
 
 
@@ -148,8 +148,8 @@ def test_the_first_error_stops_this_calls_tasks_and_is_raised():
         start = time.monotonic()
         with pytest.raises(ValueError, match="task 2 says no"):
             parallel(batch_size=1)(delayed(failing)(i) for i in range(20))
-        # 20 tasks of 0.5 s on 2 workers would take 5 s; the error stops them
-        assert time.monotonic() - start < 4
+        # 20 tasks of 1 s on 2 workers would take 10 s; the error stops them
+        assert time.monotonic() - start < 7
         assert parallel()(delayed(square)(i) for i in range(3)) == [0, 1, 4]
 
 
@@ -179,6 +179,10 @@ def test_a_wrong_option_is_refused_where_it_is_given():
         joblib.parallel_config(backend="procspawn", task_timeot=5)
     with pytest.raises(ValueError, match="task_timeout must be"):
         joblib.parallel_config(backend="procspawn", task_timeout=-1)
+    with pytest.raises(ValueError, match="max_tasks_per_child must be"):
+        joblib.parallel_config(backend="procspawn", max_tasks_per_child=0)
+    with pytest.raises(ValueError, match="idle_worker_timeout must be"):
+        joblib.parallel_config(backend="procspawn", idle_worker_timeout="300")
 
 
 def test_mmap_mode_r_gives_read_only_views():
@@ -267,7 +271,11 @@ def test_import_procspawn_imports_no_joblib():
     import subprocess
     import sys
 
-    code = "import sys, procspawn; print(sorted(m for m in sys.modules if 'joblib' in m))"
+    code = (
+        "import sys, procspawn\n"
+        "names = ('joblib', 'threadpoolctl', 'tqdm', 'dask')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[-1] in names or 'joblib' in m))"
+    )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
@@ -308,19 +316,22 @@ def test_workers_that_ran_a_nested_loky_call_stop_at_once():
     assert time.monotonic() - start < 30
 
 
-def loky_then_sleep(i):
+def loky_then_sleep(i, mark):
     if i == 1:
-        joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(square)(j) for j in range(4))
+        os.environ["PROCSPAWN_TEST_MARK"] = mark  # inherited by what the task starts
+        big = np.zeros(300_000)  # over max_nbytes: loky memory-maps it in /dev/shm
+        joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(np.sum)(big) for _ in range(4))
         time.sleep(30)
     return i
 
 
-def loky_worker_pids():
+def marked_pids(mark):
+    """The processes whose environment has this test's mark: what the task started."""
     pids = []
     for entry in os.listdir("/proc"):
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"LokyProcess" in f.read():
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"PROCSPAWN_TEST_MARK={mark}".encode() in f.read():
                     pids.append(int(entry))
         except (OSError, ValueError):
             continue
@@ -332,14 +343,47 @@ def lokys_files():
 
 
 def test_a_task_timeout_kills_what_the_task_started():
-    before, files = set(loky_worker_pids()), lokys_files()
+    mark = os.urandom(8).hex()
+    files = lokys_files()
     with joblib.parallel_config(backend="procspawn", n_jobs=2, task_timeout=5):
         with pytest.raises(procspawn.TaskTimeoutError):
-            parallel(batch_size=1)(delayed(loky_then_sleep)(i) for i in range(2))
+            parallel(batch_size=1)(delayed(loky_then_sleep)(i, mark) for i in range(2))
     deadline = time.monotonic() + 10
-    while (set(loky_worker_pids()) - before or lokys_files() - files) and (
-        time.monotonic() < deadline
-    ):
+    while (marked_pids(mark) or lokys_files() - files) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not set(loky_worker_pids()) - before  # loky's workers went with their parent
-    assert not lokys_files() - files  # and loky's resource tracker removed their files
+    assert not marked_pids(mark)  # loky's workers and tracker went with their parent
+    assert not lokys_files() - files  # and the tracker removed loky's files first
+
+
+def total_at(x, i):
+    return float(x[i])
+
+
+def test_each_call_of_a_managed_parallel_sends_the_array_as_it_is_now():
+    X = np.zeros(200_000)
+    with joblib.parallel_config(backend="procspawn", n_jobs=2):
+        with joblib.Parallel() as p:
+            first = p(delayed(total_at)(X, 0) for _ in range(2))
+            X[0] = 5.0  # changed in place between two calls of one Parallel
+            second = p(delayed(total_at)(X, 0) for _ in range(2))
+    assert first == [0.0, 0.0] and second == [5.0, 5.0]
+
+
+def shared_and_writeable(x):
+    return sharing.is_shared(x), x.flags.writeable, type(x).__name__
+
+
+def test_a_memmap_argument_goes_as_one_shared_copy(tmp_path):
+    data = np.memmap(tmp_path / "data", dtype=float, mode="w+", shape=(200_000,))
+    data[:] = 1.0
+    with joblib.parallel_config(backend="procspawn", n_jobs=2):
+        got = parallel()(delayed(shared_and_writeable)(data) for _ in range(2))
+    assert got == [(True, False, "ndarray")] * 2
+    del data
+
+
+def test_mmap_mode_r_plus_gives_writable_views_of_a_read_only_array():
+    X = np.zeros(200_000)
+    X.flags.writeable = False
+    with joblib.parallel_config(backend="procspawn", n_jobs=2, mmap_mode="r+"):
+        assert parallel()(delayed(writeable)(X) for _ in range(2)) == [True, True]

@@ -271,5 +271,6 @@ def test_process_map_counts_the_steps_its_tasks_report():
             super().__init__(*args, **kwargs)
             bars.append(self)
 
-    got = mp.process_map(report_steps, [20, 20], max_workers=2, tqdm_class=Recording, total=40)
-    assert got == [20, 20] and bars[0].n == 40
+    got = mp.process_map(report_steps, [20, 20], max_workers=2, tqdm_class=Recording)
+    # steps, not items: the total taken from the 2 items is dropped
+    assert got == [20, 20] and (bars[0].n, bars[0].total) == (40, None)

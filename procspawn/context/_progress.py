@@ -78,8 +78,9 @@ def progress(n: int = 1) -> None:
 
 
 def _reset_after_fork() -> None:
-    global _lock
+    global _lock, _sink
     _lock = threading.Lock()
+    _sink = None  # a pool worker's child: its steps are not the worker's to send
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -122,8 +123,8 @@ class Progress:
             ``tqdm.notebook.tqdm``, one of your own); default ``tqdm.auto.tqdm``, a widget
             in Jupyter and a text bar elsewhere. Given, the bar is shown (``show`` True).
         callback: called as ``callback(count, total)`` instead of drawing, from the thread
-            that waits, each time the count changed (at most every 0.1 s) and once at the
-            end: for a GUI, a log, a web page.
+            that waits, each time the count changed (at most every 0.1 s, and at the
+            end): for a GUI, a log, a web page.
         bar_options: more keyword arguments for the tqdm class (``unit``, ``leave``...).
 
     ``count`` and ``counts`` can be read at any time, e.g. while polling a

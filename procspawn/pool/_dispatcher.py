@@ -743,7 +743,9 @@ class Dispatcher:
         _log.debug("killing pool worker pid %s: %s", worker.pid, why)
         worker.stopping = why
         worker.kill_at = None
-        if worker.pid is not None:  # with what its task started (loky's abort does so too)
+        # with what its task started (loky's abort does so too); not once its exit handle
+        # says it is gone (its pid may be another process' by now: not ours to walk)
+        if worker.pid is not None and not _has_exited(worker):
             kill_tree(worker.pid)
         self._fill()
 

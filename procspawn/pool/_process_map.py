@@ -42,8 +42,9 @@ def process_map(
         mp_context: the start method, as for ``ProcessPoolExecutor``.
         task_timeout: seconds a task may run, as for ``ProcessPoolExecutor``.
         retries: as for ``ProcessPoolExecutor``.
-        tqdm_kwargs: for the bar, as tqdm takes them: ``total`` (default: the length of the
-            first iterable, when it has one), ``desc``, ``disable``, ``unit``...
+        tqdm_kwargs: for the bar, as tqdm takes them: ``total`` (default: the number of
+            items; the steps' total, if the tasks report steps), ``desc``, ``disable``,
+            ``unit``...
             (``lock_name`` is accepted and has no use: only this process draws.)
 
     Returns:
@@ -63,12 +64,8 @@ def process_map(
         if __name__ == "__main__":
             assert procspawn.process_map(square, range(5), max_workers=2) == [0, 1, 4, 9, 16]
     """
+    # (without one, map counts the items: a total the tasks' own steps then replace)
     total = tqdm_kwargs.pop("total", None)
-    if total is None and iterables:
-        try:
-            total = len(iterables[0])  # type: ignore[arg-type]
-        except TypeError:
-            total = None
     desc = tqdm_kwargs.pop("desc", None) or "process_map"
     disable = tqdm_kwargs.pop("disable", False)
     tqdm_kwargs.pop("lock_name", None)

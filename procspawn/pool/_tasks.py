@@ -84,9 +84,12 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
         return f"{name}(...)"
     if kind == _worker.APPLY:
         args, kwargs = payload
-        calls_of = getattr(fn, "procspawn_calls", None)
-        if calls_of is not None:  # a runner of other calls (a joblib batch): name those
-            return _describe_calls(calls_of(*args, **kwargs), r)
+        calls_of = getattr(fn, "__procspawn_calls__", None)
+        if callable(calls_of):  # a runner of other calls (a joblib batch): name those
+            try:
+                return _describe_calls(list(calls_of(*args, **kwargs)), r)
+            except Exception:  # noqa: BLE001 -- then as any other call
+                pass
         parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
         return f"{name}({', '.join(parts)})"
     items = list(payload)

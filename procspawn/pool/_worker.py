@@ -42,6 +42,7 @@ import threading
 import time
 import types
 
+from .._late import renew_lock_in_child
 from ..context import _progress, _tags
 from ..context.launch import _posix
 from ..sharing import _message
@@ -70,6 +71,7 @@ _REPORT_EVERY = 0.05  # seconds: at most one PROGRESS message per this, per work
 # every message to the parent is sent under it: a thread of a task may report progress
 # while this process' main thread sends an answer
 _send_lock = threading.Lock()
+renew_lock_in_child(globals(), "_send_lock")
 
 
 def _send(channel: socket.socket, data: bytes, fds: Any = ()) -> None:

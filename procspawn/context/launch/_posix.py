@@ -136,24 +136,31 @@ def kill_tree(pid: int) -> None:
     clean up (a resource tracker ignores SIGTERM and exits once its clients are gone,
     removing what they left in /dev/shm). Each process is stopped (SIGSTOP) as it is
     found, so that none starts another while the tree is read; the tree is read from
-    ``/proc`` (Linux), elsewhere ``pid`` alone is killed."""
+    ``/proc`` (Linux), elsewhere ``pid`` alone is killed. Whatever happens on the way
+    (one not ours to signal), ``pid`` is killed and every process stopped is let go."""
     found = [pid]
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGSTOP)
-    i = 0
-    while i < len(found):
-        for child in _children(found[i]):
-            if child not in found:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, signal.SIGSTOP)
-                found.append(child)
-        i += 1
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    for member in found[1:]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(member, signal.SIGTERM)
-            os.kill(member, signal.SIGCONT)
+    try:
+        _signal(pid, signal.SIGSTOP)
+        i = 0
+        while i < len(found):
+            for child in _children(found[i]):
+                if child not in found and _signal(child, signal.SIGSTOP):
+                    found.append(child)
+            i += 1
+    finally:
+        _signal(pid, signal.SIGKILL)
+        for member in found[1:]:
+            _signal(member, signal.SIGTERM)
+            _signal(member, signal.SIGCONT)
+
+
+def _signal(pid: int, signum: int) -> bool:
+    """``os.kill``; False when the process is gone or not ours to signal."""
+    try:
+        os.kill(pid, signum)
+    except OSError:
+        return False
+    return True
 
 
 def _children(pid: int) -> list[int]:

@@ -72,6 +72,11 @@ def _reduce_shared_subclass(array: np.ndarray) -> Any:
     Any other goes as NumPy pickles it (a copy): a masked array's mask is private."""
     if array.size == 0 or array.dtype.hasobject or isinstance(array, np.ma.MaskedArray):
         return NotImplemented
+    swap = _message.sending().swap_array
+    if swap is not None:  # (a np.memmap joblib was given: one shared copy, as an ndarray)
+        swapped = swap(array)
+        if swapped is not array:
+            return _reduce_ndarray(swapped)
     if segment_of(array) is None:
         return NotImplemented
     state = getattr(array, "__dict__", None) or None

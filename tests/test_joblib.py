@@ -257,8 +257,8 @@ def test_scikit_learn_grid_search_scores_equal_the_sequential_ones():
     from sklearn.svm import SVC
 
     X, y = datasets.load_digits(return_X_y=True)
-    X, y = X[:400], y[:400]
-    grid = {"C": [1, 10], "gamma": [0.001, 0.01]}
+    X, y = X[:300], y[:300]
+    grid = {"C": [1, 10], "gamma": [0.001]}
     scores = {}
     for backend in ("sequential", "procspawn"):
         with joblib.parallel_config(backend=backend):
@@ -316,13 +316,20 @@ def test_workers_that_ran_a_nested_loky_call_stop_at_once():
     assert time.monotonic() - start < 30
 
 
-def loky_then_sleep(i, mark):
+def loky_then_fail(i, mark, started):
+    """Task 1 starts a loky executor (its workers marked), says so, and sleeps; task 0
+    waits for that, then fails: joblib's abort kills task 1."""
     if i == 1:
         os.environ["PROCSPAWN_TEST_MARK"] = mark  # inherited by what the task starts
         big = np.zeros(300_000)  # over max_nbytes: loky memory-maps it in /dev/shm
         joblib.Parallel(n_jobs=2, backend="loky")(joblib.delayed(np.sum)(big) for _ in range(4))
-        time.sleep(30)
-    return i
+        open(started, "w").close()
+        time.sleep(60)
+        return i
+    deadline = time.monotonic() + 60
+    while not os.path.exists(started) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise ValueError("task 0 fails once task 1's loky workers run")
 
 
 def marked_pids(mark):
@@ -342,12 +349,13 @@ def lokys_files():
     return {name for name in os.listdir("/dev/shm") if "loky" in name or "joblib" in name}
 
 
-def test_a_task_timeout_kills_what_the_task_started():
-    mark = os.urandom(8).hex()
+def test_a_killed_task_takes_what_it_started_with_it(tmp_path):
+    mark, started = os.urandom(8).hex(), str(tmp_path / "started")
     files = lokys_files()
-    with joblib.parallel_config(backend="procspawn", n_jobs=2, task_timeout=5):
-        with pytest.raises(procspawn.TaskTimeoutError):
-            parallel(batch_size=1)(delayed(loky_then_sleep)(i, mark) for i in range(2))
+    with joblib.parallel_config(backend="procspawn", n_jobs=2):
+        with pytest.raises(ValueError, match="loky workers run"):
+            parallel(batch_size=1)(delayed(loky_then_fail)(i, mark, started) for i in range(2))
+    assert os.path.exists(started)
     deadline = time.monotonic() + 10
     while (marked_pids(mark) or lokys_files() - files) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -155,6 +155,22 @@ def square(x):
     return x * x
 
 
+def recording(base):
+    """A subclass of the tqdm class ``base`` that draws into a string, and the list of
+    the bars made with it."""
+    import io
+
+    bars = []
+
+    class Recording(base):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    return Recording, bars
+
+
 class Calls:
     """A progress callable that records what it was called with."""
 
@@ -207,16 +223,7 @@ def test_steps_reported_after_a_task_returned_do_not_garble_the_next_answers():
 @pytest.mark.timeout(60)
 def test_progress_takes_a_tqdm_class():
     tqdm = pytest.importorskip("tqdm")
-    import io
-
-    bars = []
-
-    class Recording(tqdm.tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["file"] = io.StringIO()
-            super().__init__(*args, **kwargs)
-            bars.append(self)
-
+    Recording, bars = recording(tqdm.tqdm)
     with mp.Pool(2) as pool:
         assert pool.map(square, range(6), progress=Recording) == [x * x for x in range(6)]
     [bar] = bars
@@ -226,16 +233,7 @@ def test_progress_takes_a_tqdm_class():
 @pytest.mark.timeout(60)
 def test_the_default_bar_is_tqdm_auto(monkeypatch):
     tqdm_auto = pytest.importorskip("tqdm.auto")
-    import io
-
-    made = []
-
-    class Recording(tqdm_auto.tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["file"] = io.StringIO()
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
+    Recording, made = recording(tqdm_auto.tqdm)
     monkeypatch.setattr(tqdm_auto, "tqdm", Recording)
     with mp.Pool(2) as pool:
         pool.map(square, range(3), progress=mp.Progress(show=True))
@@ -261,16 +259,7 @@ def test_process_map_has_tqdms_signature(capsys):
 @pytest.mark.timeout(60)
 def test_process_map_counts_the_steps_its_tasks_report():
     tqdm = pytest.importorskip("tqdm")
-    import io
-
-    bars = []
-
-    class Recording(tqdm.tqdm):
-        def __init__(self, *args, **kwargs):
-            kwargs["file"] = io.StringIO()
-            super().__init__(*args, **kwargs)
-            bars.append(self)
-
+    Recording, bars = recording(tqdm.tqdm)
     got = mp.process_map(report_steps, [20, 20], max_workers=2, tqdm_class=Recording)
     # steps, not items: the total taken from the 2 items is dropped
     assert got == [20, 20] and (bars[0].n, bars[0].total) == (40, None)

@@ -52,7 +52,7 @@ from joblib.parallel import (
 
 from ._late import renew_lock_in_child
 from .context.launch._start_method import start_method_of
-from .pool._failures import check_options
+from .pool._failures import check_max_tasks, check_options, check_seconds
 from .pool._reusable import current_reusable_executor, get_reusable_executor
 from .sharing.wire._swap import Swapped
 
@@ -257,16 +257,8 @@ def _checked(options: dict[str, Any]) -> dict[str, Any]:
         )
     settings = {**_OPTIONS, **options}
     check_options(settings["task_timeout"], settings["retries"], settings["max_memory_per_child"])
-    tasks = settings["max_tasks_per_child"]
-    if tasks is not None and (isinstance(tasks, bool) or not isinstance(tasks, int) or tasks < 1):
-        raise ValueError(f"max_tasks_per_child must be an int >= 1 or None, got {tasks!r}")
-    idle = settings["idle_worker_timeout"]
-    if idle is not None and (
-        isinstance(idle, bool) or not isinstance(idle, (int, float)) or not idle > 0
-    ):
-        raise ValueError(
-            f"idle_worker_timeout must be a number of seconds > 0 or None, got {idle!r}"
-        )
+    check_max_tasks(settings["max_tasks_per_child"])
+    check_seconds("idle_worker_timeout", settings["idle_worker_timeout"])
     start_method_of(settings["start_method"])  # an unknown one is refused now
     return dict(options)
 

@@ -29,7 +29,7 @@ from ..context._progress import Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
 from . import _worker
 from ._dispatcher import Dispatcher
-from ._failures import check_options
+from ._failures import check_max_tasks, check_options
 from ._tasks import Job, Task
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
@@ -258,11 +258,7 @@ class ProcessPoolExecutor(_cf.Executor):
             raise ValueError("max_workers must be greater than 0")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
-        if max_tasks_per_child is not None:
-            if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
-                raise TypeError("max_tasks_per_child must be an integer")
-            if max_tasks_per_child <= 0:
-                raise ValueError("max_tasks_per_child must be >= 1")
+        check_max_tasks(max_tasks_per_child)
         check_options(task_timeout, retries, max_memory_per_child)
         method = start_method_of(mp_context)
         self._max_workers = max_workers

@@ -81,6 +81,24 @@ def check_options(task_timeout: Any, retries: Any, max_memory_per_child: Any) ->
         )
 
 
+def check_max_tasks(max_tasks_per_child: Any) -> None:
+    """Refuse a bad ``max_tasks_per_child`` (None: no limit), in the caller."""
+    if max_tasks_per_child is None:
+        return
+    if not isinstance(max_tasks_per_child, int) or isinstance(max_tasks_per_child, bool):
+        raise TypeError("max_tasks_per_child must be an integer")
+    if max_tasks_per_child <= 0:
+        raise ValueError("max_tasks_per_child must be >= 1")
+
+
+def check_seconds(name: str, value: Any) -> None:
+    """Refuse a ``value`` that is neither None nor a number of seconds > 0, naming it."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+    ):
+        raise ValueError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
+
+
 def remote_error(exc: BaseException | None, text: str, executor: bool = False) -> BaseException:
     """The exception a task raised, with the worker's traceback as its cause, of the
     type the stdlib's Pool or executor gives."""

@@ -16,6 +16,7 @@ from multiprocessing.context import BaseContext
 from .._late import renew_lock_in_child
 from ..context.launch._start_method import start_method_of
 from ._executor import ProcessPoolExecutor
+from ._failures import check_seconds
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
@@ -101,10 +102,7 @@ def get_reusable_executor(
             f"argument is its context: pass the start method by name, "
             f"mp_context={timeout!r}"
         )
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-    ):
-        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+    check_seconds("timeout", timeout)
     if context is not None:
         if mp_context is not None:
             raise ValueError("give mp_context or context (loky's name for it), not both")

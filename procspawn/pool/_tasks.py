@@ -90,8 +90,7 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
                 return _describe_calls(list(calls_of(*args, **kwargs)), r)
             except Exception:  # noqa: BLE001 -- then as any other call
                 pass
-        parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
-        return f"{name}({', '.join(parts)})"
+        return _call_text(name, args, kwargs, r)
     items = list(payload)
     calls = [
         f"{name}({', '.join(r.repr(a) for a in item) if kind == _worker.STARMAP else r.repr(item)})"
@@ -102,11 +101,13 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
     return ", ".join(calls)
 
 
+def _call_text(name: str, args: Any, kwargs: dict[str, Any], r: Any) -> str:
+    parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
+    return f"{name}({', '.join(parts)})"
+
+
 def _describe_calls(calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]], r: Any) -> str:
-    texts = []
-    for fn, args, kwargs in calls[:2]:
-        parts = [r.repr(a) for a in args] + [f"{k}={r.repr(v)}" for k, v in kwargs.items()]
-        texts.append(f"{name_of(fn)}({', '.join(parts)})")
+    texts = [_call_text(name_of(fn), args, kwargs, r) for fn, args, kwargs in calls[:2]]
     if len(calls) > 2:
         texts.append(f"... ({len(calls)} calls in this batch)")
     return ", ".join(texts)

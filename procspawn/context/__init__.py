@@ -8,6 +8,7 @@ Floors, each importing only from those below it (and from ``procspawn.sharing``)
        period, describe an exit), used by spawn, the pools and ``procspawn run``;
        _worker: the child side of spawn; _ray: backend="ray"
     1  _tags: the tags of what a child sends its parent (ranks and pool workers);
+       _raised: a child's exception packed for its parent, and unpacked there;
        launch/: how a process starts (start method, parent-death guard, early-output
        Popen, fork server, one child under any start method); _errors; _progress
 """

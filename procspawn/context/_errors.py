@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import pickle
 import signal
 import sys
 from collections.abc import Callable
@@ -188,15 +187,3 @@ def signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def unpickled_cause(blob: bytes | None) -> BaseException | None:
-    """A rank's exception from the bytes it pickled it to, for ``__cause__``; None when
-    there are none or they do not unpickle here (the traceback text still tells)."""
-    if blob is None:
-        return None
-    try:
-        cause = pickle.loads(blob)
-    except Exception:
-        return None
-    return cause if isinstance(cause, BaseException) else None

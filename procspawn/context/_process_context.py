@@ -27,14 +27,13 @@ from .._output import OutputForwarder
 from ..sharing._errors import ChannelClosed, FdLimitError
 from ..sharing.channels._fdpass import MessageReader
 from ..sharing.wire import _pickler
-from . import _tags
+from . import _raised, _tags
 from ._errors import (
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
     ProcessTimeoutError,
     ctrl_c_in_caller,
-    unpickled_cause,
 )
 from ._progress import Progress
 from ._watch import (
@@ -385,7 +384,7 @@ class ProcessContext(Generic[_R]):
             f"process {rank} (pid {pid}) terminated with the following error:\n{text}",
             rank,
             pid,
-        ) from unpickled_cause(exc_blob)
+        ) from _raised.unpack(exc_blob)
 
     def _on_exit(self, rank: int) -> None:
         proc = self.processes[rank]

@@ -26,7 +26,6 @@ import pickle
 import sys
 import threading
 import time
-import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -36,7 +35,7 @@ from typing import Any, Generic, TypeVar
 import cloudpickle
 
 from .. import _settings
-from . import _tags
+from . import _raised, _tags
 from ._errors import (
     ProcessException,
     ProcessExitedException,
@@ -44,7 +43,6 @@ from ._errors import (
     ProcessTimeoutError,
     RayMissingError,
     RayResourcesError,
-    unpickled_cause,
 )
 
 _OBJECT_STORE_BYTES = 256 << 20  # a local cluster of our own: a small object store
@@ -153,14 +151,10 @@ class _Rank:
             what = f"the return value of rank {rank} could not be pickled: "
             return (_tags.RESULT, cloudpickle.dumps(result))
         except BaseException as exc:  # KeyboardInterrupt included: it is a failure
-            text = traceback.format_exc()
+            text = _raised.traceback_text(exc)
             if what:
                 text = f"{what}{type(exc).__name__}: {exc}\n\n{text}"
-            try:
-                blob = cloudpickle.dumps(exc)
-            except Exception:
-                blob = None
-            return (_tags.RAISED, blob, text)
+            return (_tags.RAISED, _raised.pack(exc), text)
 
 
 def _exit_code(code: Any) -> int:
@@ -556,7 +550,7 @@ class RayContext(Generic[_R]):
             f"process {rank} (pid {pid}, Ray actor) terminated with the following error:\n{text}",
             rank,
             pid,
-        ) from unpickled_cause(blob)
+        ) from _raised.unpack(blob)
 
     def _run_to_end(self, timeout: float | None) -> list[_R]:
         if self.join(timeout):

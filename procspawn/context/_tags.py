@@ -4,13 +4,14 @@
 Every message is a tuple whose first item is its tag::
 
     (RESULT, value)                        the function (a rank's fn, a task) returned
-    (RAISED, exception or None, text)      it raised: the exception (None if it could not
-                                           be pickled) and its traceback as text
+    (RAISED, blob or None, text)           it raised: the exception packed (None if it
+                                           cannot travel) and its traceback as text; the
+                                           codec for both: ``_raised``
     (READY,) or (READY, index)             a pool worker is ready (its initializer ran);
                                            index: what its main module has (spawn,
                                            forkserver), for the parent to send by name
     (STARTED,)                             a pool worker took a task off its channel
-    (INIT_FAILED, exception or None, text) a pool worker's initializer raised; it exits
+    (INIT_FAILED, blob or None, text)      a pool worker's initializer raised; it exits
     (PROGRESS, n)                          a pool worker's task reported n steps done
                                            (``procspawn.progress(n)``)
 

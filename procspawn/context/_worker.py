@@ -16,7 +16,7 @@ from typing import Any
 from ..sharing import _message
 from ..sharing.channels._fdpass import send_message
 from ..sharing.wire import _pickler
-from . import _tags
+from . import _raised, _tags
 from .launch import _posix
 
 
@@ -119,29 +119,9 @@ def _apply_config(config: dict[str, Any], rank: int) -> None:
         _progress.attach(config["progress"], rank)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _users(tb: Any) -> Any:
-    """The traceback from its first frame that is not procspawn's (the call of ``fn``):
-    what the user sees of a rank's error starts at their own code. All of it if none is."""
-    first = tb
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
-        tb = tb.tb_next
-    return tb if tb is not None else first
-
-
 def _report(channel: socket.socket, exc: BaseException, prefix: str = "") -> None:
-    import traceback  # on failure only: a rank that succeeds does not pay for it
-
-    text = prefix + "".join(traceback.format_exception(type(exc), exc, _users(exc.__traceback__)))
-    try:
-        import cloudpickle
-
-        exc_blob: bytes | None = cloudpickle.dumps(exc)
-    except BaseException:
-        exc_blob = None
-    message = _pickler.dumps((_tags.RAISED, exc_blob, text))
+    text = _raised.traceback_text(exc, prefix, users_only=True)
+    message = _pickler.dumps((_tags.RAISED, _raised.pack(exc), text))
     try:
         send_message(channel, message.data, message.fds)
     except OSError:

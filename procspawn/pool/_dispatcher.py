@@ -27,9 +27,7 @@ import copy
 import errno
 import itertools
 import os
-import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -40,7 +38,7 @@ from multiprocessing.process import BaseProcess
 
 from .. import _log
 from .._output import OutputForwarder
-from ..context import _tags
+from ..context import _raised, _tags
 from ..context._errors import ProcessExitedException, ctrl_c
 from ..context._watch import (
     UNKNOWN_EXIT_CODE,
@@ -48,7 +46,6 @@ from ..context._watch import (
     default_grace_period,
     describe_exit,
     exit_code,
-    exit_handle,
     last_words,
     missing_guard,
     oom_kills,
@@ -59,22 +56,10 @@ from ..context._watch import (
 )
 from ..context.launch._child import (
     check_can_start_children,
-    parent_death_signal_is_safe,
-    start_child,
 )
-from ..context.launch._posix import kill_tree
 from ..sharing._errors import ChannelClosed, FdLimitError
-from ..sharing._message import Message
-from ..sharing.channels._fdpass import (
-    MessageReader,
-    message_size,
-    send_message,
-    send_more,
-    try_send_message,
-)
 from ..sharing.channels._startup import StartupMessage
 from ..sharing.wire import _main_names, _pickler
-from . import _worker
 from ._errors import TaskTimeoutError
 from ._failures import (
     BROKEN,
@@ -86,16 +71,15 @@ from ._failures import (
 )
 from ._prefetch import RunTimes
 from ._tasks import Job, Task, settle
+from ._workers import Worker
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
     from typing import Any
 
 _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
-_FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _STRATEGY = "procspawn.sharing.segments._strategy"
-_MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
 
@@ -108,75 +92,8 @@ def _sharing_snapshot() -> dict[str, Any] | None:
     return None if strategy is None else strategy.snapshot()
 
 
-def _has_exited(worker: _Worker) -> bool:
-    """Whether ``worker``'s exit handle says it is gone, without waiting."""
-    poller = select.poll()
-    poller.register(worker.exit_fd, select.POLLIN)
-    return any(events & (select.POLLIN | select.POLLHUP) for _, events in poller.poll(0))
-
-
-class _Worker:
-    __slots__ = (
-        "slot",
-        "proc",
-        "sock",
-        "reader",
-        "exit_fd",
-        "own_exit_fd",
-        "tasks",
-        "known",
-        "budget",
-        "ready",
-        "outbox",
-        "stopping",
-        "kill_at",
-        "idle_since",
-        "pid",
-        "running",
-        "main_index",
-        "deadline",
-        "verdict",
-        "oom_kills",
-        "started_at",
-    )
-
-    def __init__(
-        self,
-        slot: int,
-        proc: BaseProcess,
-        sock: socket.socket,
-        budget: int | None,
-        oom_count: int | None,
-    ):
-        self.slot = slot
-        self.proc = proc
-        self.pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
-        self.sock = sock
-        self.reader = MessageReader(sock)
-        self.exit_fd, self.own_exit_fd = exit_handle(proc)
-        self.tasks: collections.deque[Task] = collections.deque()
-        self.known: collections.OrderedDict[int, weakref.ref[Any]] = collections.OrderedDict()
-        self.budget = budget  # tasks it may still get (maxtasksperchild), None: no limit
-        self.ready = False
-        # messages not yet wholly sent: [Message, bytes sent so far]
-        self.outbox: collections.deque[list[Any]] = collections.deque()
-        self.stopping: str | None = None  # why procspawn stops it, if it does
-        self.kill_at: float | None = None  # when to SIGKILL it (stopping)
-        self.idle_since = time.monotonic()
-        self.running = False  # it took tasks[0] off its channel (and may be running it)
-        # the functions and classes its main module has (see _main_names): a snapshot at
-        # the fork, else what it says when it is ready; no task is pickled for it before
-        self.main_index: dict[str, Any] | None = None
-        self.deadline: float | None = None  # task_timeout: when its running task is late
-        # (task, error): procspawn stops it on purpose because of its running task (a
-        # timeout, kill()); that task fails with the error unless it answered first
-        self.verdict: tuple[Task, BaseException] | None = None
-        self.oom_kills = oom_count  # the kernel's count as it started (see describe_exit)
-        self.started_at: float | None = None  # when it took tasks[0] off its channel
-
-
 class Dispatcher:
-    """A set of worker processes and the thread that feeds and watches them.
+    """A set of worker processes and the thread that hands them tasks and watches them.
 
     Args:
         processes: how many workers to keep.
@@ -220,8 +137,8 @@ class Dispatcher:
         max_memory: int | None = None,
         name: str = "pool",
     ) -> None:
-        kind = {"pool": "Pool", "executor": "ProcessPoolExecutor"}.get(name, name)
-        check_can_start_children(f"procspawn.{kind}")
+        api = {"pool": "Pool", "executor": "ProcessPoolExecutor"}.get(name, name)
+        check_can_start_children(f"procspawn.{api}")
         self.size = processes
         self.task_timeout = task_timeout
         self.retries = retries
@@ -241,7 +158,7 @@ class Dispatcher:
         self._pending: collections.deque[Task] = collections.deque()
         self._run_times = RunTimes()  # how long each function's calls run: _may_prefetch
         self._in_hand: Task | None = None  # a task taken off a worker, not settled yet
-        self._workers: dict[int, _Worker] = {}
+        self._workers: dict[int, Worker] = {}
         self._slots = itertools.count()
         self._startup_failures = 0
         self._init_failed: BaseException | None = None  # an initializer raised: breaking
@@ -251,7 +168,7 @@ class Dispatcher:
         self._broken_ahead = break_on_death and BROKEN not in sys.modules
         self._answers = 0
         self._quiet_since = time.monotonic()
-        self._feeders = 0
+        self._submitting = 0  # jobs that will submit more tasks
         self._demand = 0  # lazy: how many workers the work so far asked for
         # run by the dispatcher thread; a deque, appended to without a lock, so that a
         # finalizer (an iterator or pool collected by the garbage collector, which may run
@@ -261,7 +178,7 @@ class Dispatcher:
         try:
             self._watcher = Watcher()
         except OSError as exc:
-            error = out_of_descriptors(exc, f"procspawn.{kind} could not be made")
+            error = out_of_descriptors(exc, f"procspawn.{api} could not be made")
             if error is exc:
                 raise
             raise error from exc
@@ -296,9 +213,9 @@ class Dispatcher:
         except BaseException as exc:
             self._stop_all(0.0)
             for worker in list(self._workers.values()):
-                self._forget_worker(worker)
+                self._forget(worker)
             self._release()
-            error = out_of_descriptors(exc, f"procspawn.{kind} could not start its workers")
+            error = out_of_descriptors(exc, f"procspawn.{api} could not start its workers")
             if error is exc:
                 raise
             raise error from exc
@@ -328,11 +245,11 @@ class Dispatcher:
             self._demand = min(self.size, max(self._demand, len(self._pending)))
         self._watcher.wake()
 
-    def feeding(self, change: int) -> None:
-        """A job that will submit more tasks starts (+1) or ends (-1) feeding: a closed
-        pool waits for it before its workers exit."""
+    def submitting(self, change: int) -> None:
+        """A job that will submit more tasks (an imap reading its input) starts (+1) or
+        ends (-1): a closed pool waits for it before its workers exit."""
         with self._lock:
-            self._feeders += change
+            self._submitting += change
         self._watcher.wake()
 
     def _check_open(self, at_most: str = RUNNING) -> None:
@@ -368,7 +285,7 @@ class Dispatcher:
             if kill_running:
                 for worker in list(self._workers.values()):
                     if worker.tasks and worker.tasks[0].job is job:
-                        self._stop_worker(worker, "its task was abandoned", self._grace)
+                        worker.stop("its task was abandoned", self._grace)
 
         self.request(act)
 
@@ -385,7 +302,7 @@ class Dispatcher:
                     if not which(task):
                         continue
                     if index == 0:
-                        self._doom(worker, error)
+                        self._kill_running(worker, error)
                     else:
                         settle(task, False, error)
 
@@ -532,7 +449,7 @@ class Dispatcher:
                 if self.state == CLOSING and self._all_done():
                     for worker in list(self._workers.values()):
                         if not worker.stopping:
-                            self._retire(worker, "the pool was closed")
+                            worker.retire("the pool was closed")
                     if not self._workers:
                         self.state = DONE
                         return
@@ -544,8 +461,8 @@ class Dispatcher:
                         continue
                 for key, readable, writable in self._watcher.wait(self._timeout()):
                     self._quiet_since = time.monotonic()
-                    kind, worker = key
-                    if kind == "output":
+                    source, worker = key
+                    if source == "output":
                         # a worker wrote: the output thread takes over (pipes that only
                         # reached their end, workers that exited quietly, close here)
                         if self._output.settle_held():
@@ -556,16 +473,16 @@ class Dispatcher:
                         continue
                     if self.state == STOPPING:
                         break  # terminate(): the stopping takes care of every worker
-                    if kind == "exit":
+                    if source == "exit":
                         self._on_exit(worker)
                         continue
                     if writable:
-                        self._flush(worker)
+                        worker.flush()
                     if readable:
                         self._read(worker)
                         # the end of its channel comes with its death: no second round
                         if worker.slot in self._workers and worker.reader.eof:
-                            if _has_exited(worker):
+                            if worker.has_exited():
                                 self._on_exit(worker)
                 self._on_timers()
         except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
@@ -605,7 +522,7 @@ class Dispatcher:
                 send_signal(worker.proc, signal.SIGKILL)
                 worker.kill_at = None
             elif worker.deadline is not None and now >= worker.deadline and worker.tasks:
-                self._doom(worker, self._timeout_error(worker))
+                self._kill_running(worker, self._timeout_error(worker))
             elif (
                 self.idle_timeout is not None
                 and not worker.tasks
@@ -614,11 +531,11 @@ class Dispatcher:
                 and not self._pending
             ):
                 self._demand = max(0, self._demand - 1)
-                self._retire(worker, "idle for longer than the timeout")
+                worker.retire("idle for longer than the timeout")
 
     def _all_done(self) -> bool:
         return (
-            not self._feeders
+            not self._submitting
             and not self._pending
             and not any(w.tasks for w in self._workers.values())
         )
@@ -629,7 +546,7 @@ class Dispatcher:
         self,
         oom_count: int | None = None,
         main_index: dict[str, Any] | None = None,
-    ) -> _Worker:
+    ) -> Worker:
         """Start a worker; ``oom_count`` and ``main_index`` (fork): the OOM killer's count
         and what ``__main__`` has, when read just before (else read here)."""
         slot = next(self._slots)
@@ -637,42 +554,22 @@ class Dispatcher:
             oom_count = oom_kills()
         if main_index is None and self.start_method == "fork":
             main_index = _main_names.snapshot()
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            args = (
-                self._payload,
-                child_end,
-                os.getpid(),
-                parent_death_signal_is_safe(self.start_method),
-                self.max_tasks,
-            )
-            proc = start_child(
-                _worker.main,
-                args,
-                start_method=self.start_method,
-                output=self._output,
-                key=slot,
-                name=f"procspawn-{self.name}-worker-{slot}",
-                # daemonic: never waited for at exit (an executor's worker drops the
-                # flag on its side, to start processes of its own as the stdlib's can)
-                daemon=True,
-                pool_worker=True,
-            )
-        except BaseException:
-            parent_end.close()
-            raise
-        finally:
-            child_end.close()
-        parent_end.setblocking(False)
-        worker = _Worker(slot, proc, parent_end, self.max_tasks, oom_count)
-        worker.main_index = main_index
+        worker = Worker.start(
+            slot,
+            payload=self._payload,
+            start_method=self.start_method,
+            max_tasks=self.max_tasks,
+            output=self._output,
+            watcher=self._watcher,
+            name=self.name,
+            oom_count=oom_count,
+            main_index=main_index,
+        )
         self._workers[slot] = worker
-        self._watcher.add(worker.exit_fd, ("exit", worker))
-        self._watcher.add(parent_end.fileno(), ("chan", worker))
         return worker
 
     def _live_count(self) -> int:
-        return sum(1 for w in self._workers.values() if not w.stopping and w.budget != 0)
+        return sum(1 for w in self._workers.values() if w.counts())
 
     def _fill(self) -> None:
         """Start workers up to the pool's size (lazily when idle workers time out)."""
@@ -710,50 +607,23 @@ class Dispatcher:
         for worker in sorted(self._workers.values(), key=lambda w: len(w.tasks)):
             if extra <= 0:
                 break
-            if not worker.stopping and worker.budget != 0:
-                self._retire(worker, "the pool was made smaller")
+            if worker.counts():
+                worker.retire("the pool was made smaller")
                 extra -= 1
 
-    def _retire(self, worker: _Worker, why: str) -> None:
-        """Let a worker finish the tasks it has and exit (it gets no more)."""
-        _log.debug("pool worker pid %s retires: %s", worker.pid, why)
-        worker.stopping = why
-        self._send(worker, None)
-
-    def _stop_worker(self, worker: _Worker, why: str, grace: float) -> None:
-        """Stop a worker now, on purpose: SIGTERM, SIGKILL after ``grace``."""
-        if worker.stopping and worker.kill_at is not None:
-            return
-        _log.debug("stopping pool worker pid %s: %s", worker.pid, why)
-        worker.stopping = why
-        send_signal(worker.proc, signal.SIGTERM)
-        worker.kill_at = time.monotonic() + grace
-
-    def _doom(self, worker: _Worker, error: BaseException) -> None:
-        """Kill ``worker`` now because of the task it runs (SIGKILL: a task past its time
-        or killed by the caller is not asked to finish); that task fails with ``error``
+    def _kill_running(self, worker: Worker, error: BaseException) -> None:
+        """Kill ``worker`` now because of the task it runs: that task fails with ``error``
         when the death is seen, the others it held run elsewhere, and a new worker starts
         at once."""
-        worker.deadline = None
-        if worker.verdict is not None or not worker.tasks:
-            return
-        task = worker.tasks[0]
-        worker.verdict = (task, error)
         why = "its task timed out" if isinstance(error, TaskTimeoutError) else "its task was killed"
-        _log.debug("killing pool worker pid %s: %s", worker.pid, why)
-        worker.stopping = why
-        worker.kill_at = None
-        # with what its task started (loky's abort does so too); not once its exit handle
-        # says it is gone (its pid may be another process' by now: not ours to walk)
-        if worker.pid is not None and not _has_exited(worker):
-            kill_tree(worker.pid)
-        self._fill()
+        if worker.kill_for_task(error, why):
+            self._fill()
 
     def _timeout_of(self, task: Task) -> float | None:
         """The seconds ``task`` may run: its call's own ``task_timeout``, else the pool's."""
         return self.task_timeout if task.job.timeout is None else task.job.timeout
 
-    def _timeout_error(self, worker: _Worker) -> TaskTimeoutError:
+    def _timeout_error(self, worker: Worker) -> TaskTimeoutError:
         task = worker.tasks[0]
         timeout = self._timeout_of(task)
         whose = "the pool's" if task.job.timeout is None else "its call's"
@@ -819,7 +689,7 @@ class Dispatcher:
         """The workers are stopped: fail every task they held and every pending one."""
         self._fail_tasks(error)
         for worker in list(self._workers.values()):
-            self._forget_worker(worker)
+            self._forget(worker)
         self.state = DONE
 
     def _drop_pending(
@@ -833,19 +703,9 @@ class Dispatcher:
             for task in dropped:
                 settle(task, False, error)
 
-    def _forget_worker(self, worker: _Worker) -> None:
+    def _forget(self, worker: Worker) -> None:
         self._workers.pop(worker.slot, None)
-        self._watcher.remove(worker.exit_fd)
-        self._watcher.remove(worker.sock.fileno())
-        if worker.own_exit_fd:
-            os.close(worker.exit_fd)
-        for message, _sent in worker.outbox:
-            if message is not None:
-                message.abandon()
-        worker.outbox.clear()
-        worker.reader.close()
-        worker.sock.close()
-        worker.proc.is_alive()  # reaps it if it has exited (join(0) imports a module)
+        worker.close()
 
     def _release(self) -> None:
         self._watcher.close()
@@ -863,12 +723,7 @@ class Dispatcher:
         self._fill()
         if not self._pending:
             return
-        open_workers = [
-            w
-            for w in self._workers.values()
-            # eof: it is dying; no main_index yet: what to send by name is not known
-            if not w.stopping and w.budget != 0 and not w.reader.eof and w.main_index is not None
-        ]
+        open_workers = [w for w in self._workers.values() if w.takes_tasks()]
         # One task to each worker with none. Then, with a deep backlog, one more to a
         # ready worker whose task calls the same function as the next one (a map, a loop
         # of submits): see _may_prefetch.
@@ -876,14 +731,14 @@ class Dispatcher:
             for worker in open_workers:
                 if not self._pending:
                     return
-                # budget: a worker given its last task in the first round gets no more
-                if len(worker.tasks) >= room or worker.budget == 0:
+                # a worker given its last task in the first round gets no more
+                if len(worker.tasks) >= room or worker.tasks_left == 0:
                     continue
                 if room == 2 and worker.tasks and not self._may_prefetch(worker):
                     continue
                 self._give(worker)
 
-    def _may_prefetch(self, worker: _Worker) -> bool:
+    def _may_prefetch(self, worker: Worker) -> bool:
         """Whether ``worker``, running a task, may be given the next one to hold behind
         it: it then never waits for the round trip between two tiny tasks. Only the same
         function (a short call never waits behind an unrelated long one), only one whose
@@ -903,7 +758,7 @@ class Dispatcher:
             and (live <= 1 or self._run_times.short(fn))
         )
 
-    def _give(self, worker: _Worker) -> None:
+    def _give(self, worker: Worker) -> None:
         """Hand the next task that can go to ``worker``: cancelled ones are dropped, and
         one that cannot be pickled fails at once and the next is tried."""
         while True:
@@ -913,90 +768,20 @@ class Dispatcher:
                 task = self._pending.popleft()
             if task.settled or not task.job.start(task):
                 continue
-            message = self._message_for(worker, task)
-            if message is None:
+            try:
+                message = worker.message_for(task)
+            except BaseException as exc:
+                settle(task, False, exc)  # the pickler's error names what failed
                 continue
             worker.tasks.append(task)
-            if worker.budget is not None:
-                worker.budget -= 1
-            self._send(worker, message)
+            if worker.tasks_left is not None:
+                worker.tasks_left -= 1
+            worker.send(message)
             return
-
-    def _message_for(self, worker: _Worker, task: Task) -> Message | None:
-        """The task pickled for ``worker``, its function with it if the worker does not
-        have it yet; None (and the task failed) when it cannot be pickled.
-
-        A worker keeps the functions it was sent, under the id of the parent's object,
-        which the parent holds only weakly: a loop of submits of one function pickles it
-        once per worker, and an object whose bound method ran is not kept alive. An id
-        whose object died (maybe reused) is sent again.
-        """
-        job = task.job
-        key = id(job.fn)
-        fn = None
-        forget = None
-        known = worker.known.get(key)
-        if known is not None and known() is job.fn:
-            worker.known.move_to_end(key)
-        else:
-            fn = job.fn
-            if known is None and len(worker.known) >= _FUNCTIONS_KEPT:
-                forget = next(iter(worker.known))
-        try:
-            # what its main module has goes by name, as the standard library sends it
-            with _main_names.sending_to(worker.main_index):
-                message = _pickler.dumps((key, fn, forget, task.kind, task.payload))
-        except BaseException as exc:
-            settle(task, False, exc)  # the pickler's error names what failed
-            return None
-        if fn is not None:
-            if forget is not None:
-                del worker.known[forget]
-            try:
-                worker.known[key] = weakref.ref(job.fn)
-            except TypeError:  # no weak references to it: sent with every task
-                worker.known.pop(key, None)
-        return message
-
-    def _send(self, worker: _Worker, message: Message | None) -> None:
-        """Queue a message (None: the exit request) and send what the socket takes."""
-        if message is None:
-            message = _pickler.dumps(None)
-        worker.outbox.append([message, 0])
-        self._flush(worker)
-
-    def _flush(self, worker: _Worker) -> None:
-        try:
-            while worker.outbox:
-                entry = worker.outbox[0]
-                message, sent = entry
-                if len(message.fds) > _MAX_FDS_NONBLOCKING and sent == 0:
-                    worker.sock.setblocking(True)
-                    try:
-                        send_message(worker.sock, message.data, message.fds)
-                    finally:
-                        worker.sock.setblocking(False)
-                    sent = message_size(message.data)
-                elif sent == 0:
-                    sent = try_send_message(worker.sock, message.data, message.fds)
-                    if sent and sent < message_size(message.data):
-                        sent = send_more(worker.sock, message.data, len(message.fds), sent)
-                else:
-                    sent = send_more(worker.sock, message.data, len(message.fds), sent)
-                entry[1] = sent
-                if sent < message_size(message.data):
-                    self._watcher.want_write(worker.sock.fileno(), ("chan", worker), True)
-                    return
-                worker.outbox.popleft()
-                message.close()
-            self._watcher.want_write(worker.sock.fileno(), ("chan", worker), False)
-        except OSError:
-            # the worker is gone (EPIPE, ECONNRESET): its exit handle tells the rest
-            self._watcher.want_write(worker.sock.fileno(), ("chan", worker), False)
 
     # -- results ----------------------------------------------------------------------------
 
-    def _read(self, worker: _Worker) -> None:
+    def _read(self, worker: Worker) -> None:
         reader = worker.reader
         while True:
             try:
@@ -1023,45 +808,44 @@ class Dispatcher:
             if worker.slot not in self._workers or self.broken is not None:
                 return
 
-    def _lost_answer(self, worker: _Worker, exc: FdLimitError) -> None:
+    def _lost_answer(self, worker: Worker, exc: FdLimitError) -> None:
         """The answer to ``worker``'s oldest task could not be received."""
         if not worker.tasks:
             return
         task = worker.tasks.popleft()
-        self._answered(worker)
+        self._answered(worker, task)
         error = FdLimitError(f"the result of {task.job.describe(task)} could not be received")
         error.__cause__ = exc
         settle(task, False, error)
         self._done_with(worker)
 
-    def _on_message(self, worker: _Worker, data: bytes, fds: list[int]) -> None:
+    def _on_message(self, worker: Worker, data: bytes, fds: list[int]) -> None:
         try:
             message = _pickler.loads_received(data, fds)
         except BaseException as exc:  # SystemExit from a __reduce__ too: not this thread's end
             if not worker.tasks:
                 return
             task = worker.tasks.popleft()
-            self._answered(worker)
+            self._answered(worker, task)
             settle(task, False, unpickling_error(task, worker.pid, exc))
             self._done_with(worker)
             return
         tag = message[0]
         if tag == _tags.STARTED:
-            worker.running = True
-            worker.started_at = time.monotonic()
-            timeout = self._timeout_of(worker.tasks[0]) if worker.tasks else None
-            if timeout is not None and worker.kill_at is None:  # not being stopped
-                worker.deadline = time.monotonic() + timeout
+            worker.took_task(self._timeout_of(worker.tasks[0]) if worker.tasks else None)
         elif tag in (_tags.RESULT, _tags.RAISED):
             # in hand until settled: a failure of this thread meanwhile fails it too
             self._in_hand = task = worker.tasks.popleft()
-            self._note_run_time(worker, task)
-            self._answered(worker)
+            self._answered(worker, task)
             self._output.forward_now(worker.slot)  # what the task printed comes first
             if tag == _tags.RESULT:
                 settle(task, True, message[1])
             else:
-                settle(task, False, remote_error(message[1], message[2], self.executor_rules))
+                settle(
+                    task,
+                    False,
+                    remote_error(_raised.unpack(message[1]), message[2], self.executor_rules),
+                )
             self._in_hand = None
             self._done_with(worker)
         elif tag == _tags.PROGRESS:
@@ -1079,7 +863,7 @@ class Dispatcher:
                 f"run tasks. Fix the initializer (or catch the error in it). Its "
                 f"traceback:\n{message[2]}"
             )
-            error.__cause__ = message[1]
+            error.__cause__ = _raised.unpack(message[1])
             # The pool breaks once the worker has exited (as the stdlib's, which sees the
             # death): a log record its initializer put in a Queue is flushed by then.
             # Nothing more is started or handed out meanwhile; SIGKILL if it lingers.
@@ -1087,34 +871,24 @@ class Dispatcher:
             worker.stopping = "its initializer raised"
             worker.kill_at = time.monotonic() + self._grace
 
-    def _note_run_time(self, worker: _Worker, task: Task) -> None:
-        """Keep the mean run time of ``task``'s function (see ``_may_prefetch``)."""
-        started, worker.started_at = worker.started_at, None
-        if started is not None:
-            self._run_times.note(task.job.fn, time.monotonic() - started)
-
-    def _answered(self, worker: _Worker) -> None:
-        """``worker`` answered its running task: not running, no deadline; too big now
-        (``max_memory``): it retires (after the task it may already have) and a new one
-        takes its place."""
-        worker.running = False
-        worker.deadline = None
+    def _answered(self, worker: Worker, task: Task) -> None:
+        """``worker`` answered ``task``, its running one: the run time noted (see
+        ``_may_prefetch``); too big now (``max_memory``): it retires (after the task it may
+        already have) and a new one takes its place."""
+        ran = worker.answered()
+        if ran is not None:
+            self._run_times.note(task.job.fn, ran)
         self._answers += 1
-        if worker.verdict is not None and (
-            not worker.tasks or worker.tasks[0] is not worker.verdict[0]
-        ):
-            worker.verdict = None  # the doomed task answered first: nothing to blame
         if self.max_memory is not None and not worker.stopping:
             rss = _resident_bytes(worker.pid)
             if rss > self.max_memory:
-                self._retire(
-                    worker,
+                worker.retire(
                     f"its resident memory, {rss} bytes, is above max_memory_per_child "
-                    f"({self.max_memory} bytes)",
+                    f"({self.max_memory} bytes)"
                 )
                 self._fill()
 
-    def _done_with(self, worker: _Worker) -> None:
+    def _done_with(self, worker: Worker) -> None:
         """A worker answered a task: give it the next one now, before the other answers
         that came with it are unpickled, so it does not wait on them."""
         if (
@@ -1122,7 +896,7 @@ class Dispatcher:
             and self.broken is None
             and self.state in (RUNNING, CLOSING)
             and not worker.stopping
-            and worker.budget != 0
+            and worker.tasks_left != 0
             and not worker.reader.eof
             and len(worker.tasks) < 2
             and (not worker.tasks or self._may_prefetch(worker))
@@ -1133,7 +907,9 @@ class Dispatcher:
 
     # -- deaths -----------------------------------------------------------------------------
 
-    def _on_exit(self, worker: _Worker) -> None:
+    def _on_exit(self, worker: Worker) -> None:
+        """A worker exited: what it sent first is read, then its death is classified
+        (``_death_outcome``) and taken by one act per outcome (``_DEATH_ACTS``)."""
         if self.state == STOPPING:
             # terminate() came meanwhile (from another thread, maybe while this one read
             # the worker's last message) and its SIGTERM may be this death: the stopping
@@ -1144,92 +920,145 @@ class Dispatcher:
             self._read(worker)  # what it sent before it died is all there by now
             if worker.slot not in self._workers:
                 return
-        proc = worker.proc
-        # the exit status: a forked worker is a zombie now (its pidfd said so); under
-        # forkserver it comes from the server, which is not waited for without limit
-        code = exit_code(proc, None if self.start_method == "fork" else 5.0)
-        if code is None and self.start_method != "fork":  # the server never said: be sure
-            send_signal(proc, signal.SIGKILL)
-            code = exit_code(proc, 5.0)
-        # None: reaped outside multiprocessing, its status unknown (see exit_code)
-        if self._init_failed is not None:  # reaped first: its Process holds descriptors
-            self._requeue(list(worker.tasks))
-            worker.tasks.clear()
-            self._forget_worker(worker)
-            self._break(self._init_failed)
-            return
+        code = self._exit_status(worker)
         tasks = list(worker.tasks)
         worker.tasks.clear()
         # only the task it took off its channel can have killed it; the others never
         # reached it and run elsewhere
-        running = tasks[0] if tasks and worker.running else None
-        if running is not None:
-            tasks = tasks[1:]
-            self._note_run_time(worker, running)  # (killed late: its calls are not short)
-        expected = worker.stopping is not None
-        retired = (
+        running = tasks.pop(0) if tasks and worker.running else None
+        if running is not None and worker.started_at is not None:
+            # (killed late: its calls are not short)
+            self._run_times.note(running.job.fn, time.monotonic() - worker.started_at)
+        self._forget(worker)  # (reaped first: its Process holds descriptors)
+        outcome = self._death_outcome(worker, code, running)
+        self._DEATH_ACTS[outcome](self, worker, code, running, tasks)
+
+    def _exit_status(self, worker: Worker) -> int | None:
+        """A dead worker's exit status; None: reaped outside multiprocessing, its status
+        unknown (see exit_code). A forked worker is a zombie now (its exit handle said
+        so); under forkserver the status comes from the server, which is not waited for
+        without limit."""
+        code = exit_code(worker.proc, None if self.start_method == "fork" else 5.0)
+        if code is None and self.start_method != "fork":  # the server never said: be sure
+            send_signal(worker.proc, signal.SIGKILL)
+            code = exit_code(worker.proc, 5.0)
+        return code
+
+    def _death_outcome(self, worker: Worker, code: int | None, running: Task | None) -> str:
+        """How a worker's death is taken, from what is known of it (no side effects):
+
+        - ``init_failed``: its initializer raised; the pool breaks with that error
+        - ``stopped``: procspawn stopped it (a timeout, a kill, a shrink, terminate of a
+          job), or it exited cleanly after its last task or at the pool's close
+        - ``retry``: it died running a task that has retries left
+        - ``start_failed``: it died before it was ready, running nothing
+        - ``break``: an executor's worker died (the pool breaks, as the stdlib's)
+        - ``failed``: its running task fails with the death's error
+        """
+        if self._init_failed is not None:
+            return "init_failed"
+        if worker.stopping is not None or (
             code in (0, None)
             and running is None
-            and (worker.budget == 0 or worker.stopping is not None or self.state == CLOSING)
-        )
-        self._forget_worker(worker)
-        if expected or retired:
-            verdict = worker.verdict
-            if verdict is not None and verdict[0] in tasks:  # killed before it started
-                tasks.remove(verdict[0])
-                settle(verdict[0], False, verdict[1])
-            if running is not None and verdict is not None and verdict[0] is running:
-                settle(running, False, verdict[1])  # timed out, or killed by the caller
-            # stopped on purpose: a task it was running belonged to an abandoned job
-            elif running is not None and not running.job.abandoned:
-                tasks.insert(0, running)
-            self._requeue(tasks)
-            self._fill()
-            return
+            and (worker.tasks_left == 0 or self.state == CLOSING)
+        ):
+            return "stopped"
         if running is not None and running.deaths < self.retries:
-            running.deaths += 1
-            _log.debug(
-                "pool worker pid %s died running %s; running it again (retry %d of %d)",
-                worker.pid,
-                running.job.describe(running),
-                running.deaths,
-                self.retries,
-            )
+            return "retry"
+        if not worker.ready and running is None:
+            return "start_failed"
+        return self._death_breaks()
+
+    def _death_breaks(self) -> str:
+        return "break" if self.break_on_death and not self.retries else "failed"
+
+    def _after_init_failed(
+        self, worker: Worker, code: int | None, running: Task | None, tasks: list[Task]
+    ) -> None:
+        self._requeue(([running] if running is not None else []) + tasks)
+        self._break(self._init_failed)  # type: ignore[arg-type]  # set: the outcome's
+
+    def _after_stopped(
+        self, worker: Worker, code: int | None, running: Task | None, tasks: list[Task]
+    ) -> None:
+        killed_for = worker.killed_for
+        if killed_for is not None and killed_for[0] in tasks:  # killed before it started
+            tasks.remove(killed_for[0])
+            settle(killed_for[0], False, killed_for[1])
+        if running is not None and killed_for is not None and killed_for[0] is running:
+            settle(running, False, killed_for[1])  # timed out, or killed by the caller
+        # stopped on purpose: a task it was running belonged to an abandoned job
+        elif running is not None and not running.job.abandoned:
             tasks.insert(0, running)
-            self._requeue(tasks)
-            self._fill()
-            return
+        self._requeue(tasks)
+        self._fill()
+
+    def _retry(
+        self, worker: Worker, code: int | None, running: Task | None, tasks: list[Task]
+    ) -> None:
+        assert running is not None
+        running.deaths += 1
+        _log.debug(
+            "pool worker pid %s died running %s; running it again (retry %d of %d)",
+            worker.pid,
+            running.job.describe(running),
+            running.deaths,
+            self.retries,
+        )
+        self._requeue([running, *tasks])
+        self._fill()
+
+    def _after_start_failed(
+        self, worker: Worker, code: int | None, running: Task | None, tasks: list[Task]
+    ) -> None:
+        """Died before it was ready: no ``__main__`` guard (every worker would die the same
+        way: the pool breaks, saying so), else one start-up failure more (too many in a
+        row: the pool breaks), else a death like any other."""
         unguarded = None
-        if not worker.ready and running is None and self.start_method != "fork":
+        if self.start_method != "fork":
             who = f"pool worker (pid {worker.pid})"
             unguarded = missing_guard(self._output, worker.slot, _OUTPUT_DRAIN, who)
-        if unguarded is not None:  # no __main__ guard: every worker would stop the same way
+        if unguarded is not None:
             self._requeue(tasks)
             self._break(RuntimeError(unguarded))
             return
-        error = self._death_error(worker, code, running)
-        if not worker.ready and running is None:
-            self._startup_failures += 1
-            if self._startup_failures >= _STARTUP_FAILURES:
-                errors = broken_errors()
-                broken = (errors.InitializerError if errors else RuntimeError)(
-                    f"{_STARTUP_FAILURES} pool workers in a row died before they were "
-                    f"ready; the pool cannot run tasks. The last one: {error.msg}"
-                )
-                broken.__cause__ = error
-                self._requeue(tasks)
-                self._break(broken)
-                return
-        if self.break_on_death and not self.retries:
-            if running is not None:
-                tasks.insert(0, running)
-            self._requeue(tasks)
-            self._break(self._broken_error(error))
+        self._startup_failures += 1
+        if self._startup_failures < _STARTUP_FAILURES:
+            self._DEATH_ACTS[self._death_breaks()](self, worker, code, running, tasks)
             return
+        error = self._death_error(worker, code, running)
+        errors = broken_errors()
+        broken = (errors.InitializerError if errors else RuntimeError)(
+            f"{_STARTUP_FAILURES} pool workers in a row died before they were "
+            f"ready; the pool cannot run tasks. The last one: {error.msg}"
+        )
+        broken.__cause__ = error
+        self._requeue(tasks)
+        self._break(broken)
+
+    def _break_on_death(
+        self, worker: Worker, code: int | None, running: Task | None, tasks: list[Task]
+    ) -> None:
+        error = self._death_error(worker, code, running)
+        self._requeue(([running] if running is not None else []) + tasks)
+        self._break(self._broken_error(error))
+
+    def _fail_running(
+        self, worker: Worker, code: int | None, running: Task | None, tasks: list[Task]
+    ) -> None:
         if running is not None:
-            settle(running, False, error)
+            settle(running, False, self._death_error(worker, code, running))
         self._requeue(tasks)
         self._fill()
+
+    _DEATH_ACTS = {
+        "init_failed": _after_init_failed,
+        "stopped": _after_stopped,
+        "retry": _retry,
+        "start_failed": _after_start_failed,
+        "break": _break_on_death,
+        "failed": _fail_running,
+    }
 
     def _requeue(self, tasks: list[Task]) -> None:
         tasks = [task for task in tasks if not task.settled]
@@ -1239,7 +1068,7 @@ class Dispatcher:
             self._pending.extendleft(reversed(tasks))
 
     def _death_error(
-        self, worker: _Worker, code: int | None, task: Task | None
+        self, worker: Worker, code: int | None, task: Task | None
     ) -> ProcessExitedException:
         """The error of a worker's unexpected exit; ``code`` None: its status is unknown."""
         if code is None:

@@ -433,7 +433,7 @@ class ProcessPoolExecutor(_cf.Executor):
         check_options(task_timeout, 0, None)
         shown = as_progress(progress)
         end_time = None if timeout is None else timeout + time.monotonic()
-        kind, chunks = _chunks(iterables, chunksize)
+        form, chunks = _chunks(iterables, chunksize)
         job = _ChunksJob(fn, shown)
         job.timeout = task_timeout
         dispatcher = self._dispatcher
@@ -455,7 +455,7 @@ class ProcessPoolExecutor(_cf.Executor):
                 if shown is not None and count is None:  # (all: the total is known)
                     shown.reset(sum(len(chunk) for chunk in taken))
                 dispatcher.submit(
-                    Task(job, first + n, kind, chunk) for n, chunk in enumerate(taken)
+                    Task(job, first + n, form, chunk) for n, chunk in enumerate(taken)
                 )
             return futures
 

@@ -198,7 +198,7 @@ class IMapIterator(Generic[_T]):
         half a second (the feeder lets go of this iterator in between, so a caller that
         drops it ends the call); None: never (the caller stopped, or the pool ended)."""
         with self._cond:
-            if not self._feeding():
+            if not self._wants_input():
                 return None
             free = ahead - (sent - self._settled)
             waiting = sent - self._next_chunk
@@ -218,7 +218,7 @@ class IMapIterator(Generic[_T]):
                 self._feeder_wants = None
             return 0
 
-    def _feeding(self) -> bool:
+    def _wants_input(self) -> bool:
         """Whether the feeder should go on reading the input: the caller has not
         abandoned the job and the pool takes its tasks (after terminate() or a broken
         pool every task would fail at once: an endless input was read forever)."""
@@ -339,7 +339,7 @@ def _feed(
                 for _ in range(free):
                     # an input that may wait: nothing more is read once the caller
                     # stopped or the pool ended (each item read then would be lost)
-                    if not sequence and not _feeding(iterator):
+                    if not sequence and not _wants_input(iterator):
                         done = True
                         break
                     chunk = list(itertools.islice(source, chunksize))
@@ -366,12 +366,12 @@ def _feed(
         if it is not None:
             it._input_done(sent, error)
         del it
-        dispatcher.feeding(-1)
+        dispatcher.submitting(-1)
 
 
-def _feeding(iterator: weakref.ref[IMapIterator[Any]]) -> bool:
+def _wants_input(iterator: weakref.ref[IMapIterator[Any]]) -> bool:
     it = iterator()
-    return it is not None and it._feeding()
+    return it is not None and it._wants_input()
 
 
 def _submit(

@@ -408,7 +408,7 @@ class Pool:
         self,
         func: Callable[..., Any],
         iterable: Iterable[Any],
-        kind: int,
+        form: int,
         chunksize: int | None,
         callback: Callable[[list[Any]], object] | None = None,
         error_callback: Callable[[BaseException], object] | None = None,
@@ -421,7 +421,7 @@ class Pool:
         # a range stays one: its chunks are ranges, a few bytes each on the wire
         items: Sequence[Any] = (
             iterable
-            if isinstance(iterable, list) or (type(iterable) is range and kind == _worker.MAP)
+            if isinstance(iterable, list) or (type(iterable) is range and form == _worker.MAP)
             else list(iterable)
         )
         if chunksize is None:
@@ -432,7 +432,7 @@ class Pool:
             chunksize = 0
         elif chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
-        if kind == _worker.STARMAP:
+        if form == _worker.STARMAP:
             items = [tuple(item) for item in items]
         result: MapResult[Any] = MapResult(self._dispatcher, len(items), callback, error_callback)
         result._pool = self
@@ -447,7 +447,7 @@ class Pool:
         job.timeout = task_timeout
         result.job = job
         self._dispatcher.submit(
-            Task(job, n, kind, items[start : start + length])
+            Task(job, n, form, items[start : start + length])
             for n, (start, length) in enumerate(chunks)
         )
         return result
@@ -543,7 +543,7 @@ class Pool:
         room = _results_room(chunksize, ahead)
         if sequence:  # (within the room: a task's arrays hold descriptors while it runs)
             ahead = min(room, max(ahead, _SEQUENCE_AHEAD * self._processes))
-        self._dispatcher.feeding(+1)
+        self._dispatcher.submitting(+1)
         threading.Thread(
             target=_feed,
             args=(self._dispatcher, job, iter(iterable), chunksize, ahead, room, sequence),

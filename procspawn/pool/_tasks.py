@@ -21,12 +21,12 @@ if TYPE_CHECKING:
 class Task:
     """One message's worth of work: a call, or a chunk of a map."""
 
-    __slots__ = ("job", "index", "kind", "payload", "deaths", "settled")
+    __slots__ = ("job", "index", "form", "payload", "deaths", "settled")
 
-    def __init__(self, job: Job, index: int, kind: int, payload: Any) -> None:
+    def __init__(self, job: Job, index: int, form: int, payload: Any) -> None:
         self.job = job
         self.index = index
-        self.kind = kind
+        self.form = form  # how the payload is called: _worker.APPLY, MAP or STARMAP
         self.payload = payload
         self.deaths = 0  # workers that died running it (it is retried up to ``retries``)
         # its job was told its outcome: never handed out again (one killed while queued
@@ -64,7 +64,7 @@ class Job:
 
     def describe(self, task: Task) -> str:
         """A short repr of the call a task makes, for error messages."""
-        return describe_call(self.fn, task.kind, task.payload)
+        return describe_call(self.fn, task.form, task.payload)
 
     def describe_fn(self) -> str:
         return name_of(self.fn)
@@ -74,7 +74,7 @@ def name_of(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-def describe_call(fn: Any, kind: int, payload: Any) -> str:
+def describe_call(fn: Any, form: int, payload: Any) -> str:
     import reprlib
 
     r = reprlib.Repr()
@@ -82,7 +82,7 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
     name = name_of(fn)
     if payload is None:
         return f"{name}(...)"
-    if kind == _worker.APPLY:
+    if form == _worker.APPLY:
         args, kwargs = payload
         calls_of = getattr(fn, "__procspawn_calls__", None)
         if callable(calls_of):  # a runner of other calls (a joblib batch): name those
@@ -93,7 +93,7 @@ def describe_call(fn: Any, kind: int, payload: Any) -> str:
         return _call_text(name, args, kwargs, r)
     items = list(payload)
     calls = [
-        f"{name}({', '.join(r.repr(a) for a in item) if kind == _worker.STARMAP else r.repr(item)})"
+        f"{name}({', '.join(r.repr(a) for a in item) if form == _worker.STARMAP else r.repr(item)})"
         for item in items[:2]
     ]
     if len(items) > 2:

@@ -3,18 +3,19 @@
 Each worker has a channel of its own (a socketpair with the parent); nothing is shared
 between workers, so a worker's death can leave nothing half-written. Messages::
 
-    parent -> worker   (fn key, fn or None, fn key to forget or None, kind, payload)
+    parent -> worker   (fn key, fn or None, fn key to forget or None, form, payload)
                        None: exit now (the pool is closing)
     worker -> parent   (READY,)                      ready: the initializer ran
                        (READY, index)                the same, from a worker not forked:
                                                      what its main module has, which
                                                      the parent then sends by name
                        (STARTED,)                    a task arrived and starts now
-                       (INIT_FAILED, exception or None, text)  the initializer raised;
-                                                     exits 1
+                       (INIT_FAILED, exception packed or None, text)  the
+                                                     initializer raised; exits 1
                        (RESULT, value)               a task's result
-                       (RAISED, exception or None, text)  a task raised (text: its
-                                                     traceback)
+                       (RAISED, exception packed or None, text)  a task
+                                                     raised (text: its traceback;
+                                                     the codec: context._raised)
                        (PROGRESS, n)                 the running task reported n steps
                                                      (procspawn.progress; see _Steps)
 
@@ -43,11 +44,10 @@ import time
 import types
 
 from .._late import renew_lock_in_child
-from ..context import _progress, _tags
+from ..context import _progress, _raised, _tags
 from ..context.launch import _posix
 from ..sharing import _message
 from ..sharing._errors import ChannelClosed, FdLimitError
-from ..sharing._message import Message
 from ..sharing.channels._fdpass import MessageReader, recv_message, send_message
 from ..sharing.wire import _main_names, _pickler
 
@@ -254,7 +254,7 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
             continue
         if task is None:
             return
-        key, fn, forget, kind, payload = task
+        key, fn, forget, form, payload = task
         del task
         if forget is not None:
             functions.pop(forget, None)
@@ -266,9 +266,9 @@ def _serve(channel: socket.socket, max_tasks: int | None, executor: bool) -> Non
         try:
             if fn is None:
                 raise RuntimeError("the task's function did not reach this worker")
-            if kind == APPLY:
+            if form == APPLY:
                 value = fn(*payload[0], **payload[1])
-            elif kind == MAP:
+            elif form == MAP:
                 value = [fn(item) for item in payload]
             else:
                 value = [fn(*item) for item in payload]
@@ -333,40 +333,11 @@ class _Shown:
 
 
 def _send_error(channel: socket.socket, tag: str, exc: BaseException, prefix: str = "") -> None:
+    """``(tag, exception packed, traceback text)``: see ``context._raised``."""
+    text = _raised.traceback_text(exc, prefix)
+    exc.__traceback__ = None  # (its frames' locals, a task's arguments, go now)
+    blob = _raised.pack(exc, _parent_has)
     try:
-        import traceback  # on failure only
-    except OSError:  # out of descriptors to import it with (an FdLimitError's report)
-        text = f"{prefix}{type(exc).__name__}: {exc}\n"
-    else:
-        text = prefix + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    exc.__traceback__ = None
-    try:
-        with _main_names.sending_to(_parent_has):
-            message = _pickler.dumps((tag, exc, text))
-        # it must load too. A load takes over what file_system segments counted for the
-        # message's receiver (or gives it back, if it fails): a message that had such
-        # counts is pickled again for the caller
-        counted = bool(message.on_abandon)
-        try:
-            _pickler.loads_received(message.data, [os.dup(fd) for fd in message.fds])
-        except BaseException:
-            message.close()
-            raise
-        if counted:
-            message.close()
-            with _main_names.sending_to(_parent_has):
-                message = _pickler.dumps((tag, exc, text))
-    except BaseException:
-        try:  # an exception the caller can import, by the stdlib's pickle alone (this
-            # process may be out of descriptors to import cloudpickle with, say)
-            data = pickle.dumps((tag, exc, text), pickle.HIGHEST_PROTOCOL)
-            pickle.loads(data)
-            message = Message(data)
-        except BaseException:
-            message = _pickler.dumps((tag, None, text))
-    try:
-        _send(channel, message.data, message.fds)
+        _send(channel, pickle.dumps((tag, blob, text), pickle.HIGHEST_PROTOCOL))
     except OSError:
         pass  # the parent is gone; the exit code still tells
-    finally:
-        message.close()

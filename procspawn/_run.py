@@ -25,7 +25,8 @@ No rank outlives the launcher, on three layers:
   they never interrupt the launcher half-way through starting or stopping a rank, and the
   signal's origin (a terminal, or kill()) is known. (This is why the launcher does not
   wait in ``context._watch.Watcher`` as ``spawn`` and the pools do: an epoll cannot say
-  who sent a signal. It shares the rest: the grace period, how an exit is described.)
+  who sent a signal. It shares the rest: the grace period, how an exit is described,
+  ``how_it_ended``, with the watched children of ``spawn`` and the pools.)
 * If the launcher itself dies abruptly (SIGKILL, a crash), the kernel kills each rank:
   a rank starts as a tiny trampoline, ``python -c <set PR_SET_PDEATHSIG=SIGKILL, unblock
   signals> && exec python script args``. The parent-death signal survives ``execve``, so
@@ -60,7 +61,7 @@ from typing import NoReturn
 
 from ._output import OutputForwarder
 from .context._errors import signal_name
-from .context._watch import default_grace_period, describe_exit, oom_kills
+from .context._watch import default_grace_period, how_it_ended, oom_kills
 
 __all__ = ["run"]
 
@@ -496,7 +497,7 @@ class _Launcher:
         code = p.returncode
         if code < 0:
             # for a SIGKILL: whether the kernel's out-of-memory killer did it
-            how, _ = describe_exit(code, pid=p.pid, oom_kills_before=self._oom_kills)
+            how, _, _ = how_it_ended(code, p.pid, self._oom_kills)
             status = 128 - code
         else:
             how = f"failed: exit code {code}"

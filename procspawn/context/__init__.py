@@ -5,7 +5,8 @@ Floors, each importing only from those below it (and from ``procspawn.sharing``)
     4  _spawn: spawn(), start_processes()
     3  _process_context: ProcessContext (join, terminate, results)
     2  _watch: the one watcher (exits and channels in one epoll, stop with a grace
-       period, describe an exit), used by spawn, the pools and ``procspawn run``;
+       period, describe an exit) and the watched child (process, channel, exit
+       handle, post-mortem), used by spawn, the pools and ``procspawn run``;
        _worker: the child side of spawn; _ray: backend="ray"
     1  _tags: the tags of what a child sends its parent (ranks and pool workers);
        _raised: a child's exception packed for its parent, and unpacked there;

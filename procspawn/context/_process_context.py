@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import signal
 import socket
 import threading
@@ -24,8 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._output import OutputForwarder
-from ..sharing._errors import ChannelClosed, FdLimitError
-from ..sharing.channels._fdpass import MessageReader
+from ..sharing._errors import FdLimitError
 from ..sharing.wire import _pickler
 from . import _raised, _tags
 from ._errors import (
@@ -37,17 +35,12 @@ from ._errors import (
 )
 from ._progress import Progress
 from ._watch import (
-    UNKNOWN_EXIT_CODE,
+    CHANNEL,
+    WatchedChild,
     Watcher,
     default_grace_period,
-    describe_exit,
-    exit_code,
-    exit_handle,
-    last_words,
-    missing_guard,
     oom_kills,
     stop,
-    unknown_exit_text,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,24 +95,18 @@ class ProcessContext(Generic[_R]):
     ) -> None:
         self.processes = processes
         self.progress = progress
-        self._readers = [MessageReader(sock) for sock in channels]
         self._results: list[Any] = [_MISSING] * len(processes)
         self._exited = [False] * len(processes)
         self._output = output
         # every rank's exit handle and channel, watched together by join()
         self._watcher = Watcher()
-        self._exit_fds: list[int] = []
-        owned: list[int] = []
+        self._children: list[WatchedChild] = []
+        count = oom_kills()  # the kernel's count as the ranks started
         try:
-            for rank, proc in enumerate(processes):
-                fd, own = exit_handle(proc)
-                if own:
-                    owned.append(fd)
-                self._exit_fds.append(fd)
-                self._watcher.add(fd, ("exit", rank))
-                self._watcher.add(self._readers[rank].sock.fileno(), ("msg", rank))
+            for rank, (proc, sock) in enumerate(zip(processes, channels, strict=True)):
+                self._children.append(WatchedChild(proc, sock, self._watcher, rank, rank, count))
         except BaseException:
-            _close_watcher(self._watcher, owned)
+            _close_watcher(self._watcher, self._children)
             raise
         # keepalive: the spawn payload, whose shared segments the ranks map
         self._release = weakref.finalize(
@@ -127,11 +114,10 @@ class ProcessContext(Generic[_R]):
             _release_dropped,
             processes,
             grace_period,
-            (self._readers, output, progress, keepalive, self._watcher, owned),
+            (self._children, output, progress, keepalive, self._watcher),
         )
         self._grace_period = grace_period
         self._started = time.monotonic()
-        self._oom_kills = oom_kills()  # the kernel's count as the ranks started
         self._error: ProcessException | None = None
         self._closed = False
         self._terminating = False  # terminate() runs (maybe in another thread than join())
@@ -241,8 +227,8 @@ class ProcessContext(Generic[_R]):
                         left = None if deadline is None else max(0.0, deadline - time.monotonic())
                         return self._done.wait(left)
                     if all(self._exited) and all(
-                        r is not _MISSING or reader.eof
-                        for r, reader in zip(self._results, self._readers, strict=True)
+                        r is not _MISSING or child.reader.eof
+                        for r, child in zip(self._results, self._children, strict=True)
                     ):
                         self._close()
                         return True
@@ -259,9 +245,9 @@ class ProcessContext(Generic[_R]):
                         if not ready and deadline is not None and time.monotonic() >= deadline:
                             return False
                         # Messages first: an error message explains the exit that follows it.
-                        ready.sort(key=lambda item: item[0][0] != "msg")
-                        for (kind, rank), _readable, _writable in ready:
-                            if kind == "msg":
+                        ready.sort(key=lambda item: item[0][0] != CHANNEL)
+                        for (source, rank), _readable, _writable in ready:
+                            if source == CHANNEL:
                                 self._read(rank)
                             else:
                                 self._on_exit(rank)
@@ -331,34 +317,25 @@ class ProcessContext(Generic[_R]):
     def _read(self, rank: int) -> None:
         """Read what is there (non-blocking) and handle a finished message; a channel that
         has given its message or reached its end is not watched any more."""
-        reader = self._readers[rank]
-        try:
-            self._read_channel(rank, reader)
-        finally:
-            if reader.eof or self._results[rank] is not _MISSING:
-                self._watcher.remove(reader.sock.fileno())
+        child = self._children[rank]
 
-    def _read_channel(self, rank: int, reader: MessageReader) -> None:
-        reader.sock.setblocking(False)
+        def on_message(data: bytes, fds: list[int]) -> bool:
+            self._on_message(rank, data, fds)
+            return True  # a rank sends one message
+
         try:
-            while True:
-                if reader.feed():
-                    self._on_message(rank, *reader.pop())
-                    return
-        except (BlockingIOError, InterruptedError):
-            return
-        except ChannelClosed:
-            return
+            child.read(on_message)
         except FdLimitError as exc:
             _pickler.give_back_unreceived(exc)  # the result is lost: what it held goes back
             raise ProcessRaisedException(
-                f"process {rank} (pid {self.processes[rank].pid}) terminated with the "
-                f"following error:\nits result could not be received by the parent: {exc}",
+                f"process {rank} (pid {child.pid}) terminated with the following "
+                f"error:\nits result could not be received by the parent: {exc}",
                 rank,
-                self.processes[rank].pid,  # type: ignore[arg-type]  # started: it has a pid
+                child.pid,
             ) from exc
-        except OSError:
-            reader.eof = True  # a broken channel: the exit code will tell what happened
+        finally:
+            if self._results[rank] is not _MISSING:
+                self._watcher.remove(child.sock.fileno())
 
     def _on_message(self, rank: int, data: bytes, fds: list[int]) -> None:
         pid: int = self.processes[rank].pid  # type: ignore[assignment]  # started: has a pid
@@ -387,33 +364,25 @@ class ProcessContext(Generic[_R]):
         ) from _raised.unpack(exc_blob)
 
     def _on_exit(self, rank: int) -> None:
-        proc = self.processes[rank]
-        code = exit_code(proc)
+        child = self._children[rank]
+        code = child.exit_status()
         self._exited[rank] = True
-        self._watcher.remove(self._exit_fds[rank])
-        if self._results[rank] is _MISSING and not self._readers[rank].eof:
+        self._watcher.remove(child.exit_fd)
+        if self._results[rank] is _MISSING and not child.reader.eof:
             self._read(rank)  # the whole message is in the socket buffer by now
         if self._results[rank] is not _MISSING and code in (0, None):
             return  # its result came: an unknown exit status does not undo it
         if code == 0:
             self._results[rank] = None  # sys.exit(0) / sys.exit(None): a clean exit
             return
-        pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
-        unguarded = missing_guard(self._output, rank, _OUTPUT_DRAIN, f"process {rank} (pid {pid})")
+        pid = child.pid
+        who = f"process {rank} (pid {pid})"
+        unguarded = child.missing_guard(self._output, _OUTPUT_DRAIN, who)
         if unguarded is not None:
             raise ProcessExitedException(unguarded, rank, pid, code or 1, None)
-        if code is None:
-            how, name, code = unknown_exit_text(), None, UNKNOWN_EXIT_CODE
-        else:
-            how, name = describe_exit(code, pid=pid, oom_kills_before=self._oom_kills)
-        raise ProcessExitedException(
-            f"process {rank} (pid {pid}) {how}" + self._last_words(rank), rank, pid, code, name
-        )
-
-    def _last_words(self, rank: int) -> str:
-        """What a rank that died without a report printed last on stderr, and the likely
-        cause when we know it."""
-        return last_words(self._output, rank, _OUTPUT_DRAIN)
+        how, name, code = child.how_it_ended(code)
+        words = child.last_words(self._output, _OUTPUT_DRAIN)
+        raise ProcessExitedException(f"{who} {how}{words}", rank, pid, code, name)
 
     # -- stopping --------------------------------------------------------------------------
 
@@ -433,8 +402,8 @@ class ProcessContext(Generic[_R]):
     def _keep_sent_results(self) -> None:
         """Every rank has exited: a result it sent is whole in its channel. Keep those
         (an error message there is not the first failure any more, and is dropped)."""
-        for rank, reader in enumerate(self._readers):
-            if self._results[rank] is _MISSING and not reader.eof and not self._closed:
+        for rank, child in enumerate(self._children):
+            if self._results[rank] is _MISSING and not child.reader.eof and not self._closed:
                 try:
                     self._read(rank)
                 except Exception:
@@ -443,8 +412,8 @@ class ProcessContext(Generic[_R]):
     def _close(self) -> None:
         if self._closed:
             return
-        for reader in self._readers:  # first: a rank blocked sending its result gets EPIPE
-            _close_reader(reader)
+        for child in self._children:  # first: a rank blocked sending its result gets EPIPE
+            child.close_channel()
         for p in self.processes:
             p.join()
         self._closed = True
@@ -452,19 +421,12 @@ class ProcessContext(Generic[_R]):
         self._done.set()
 
 
-def _close_reader(reader: MessageReader) -> None:
-    reader.close()
-    reader.sock.close()
-
-
-def _close_watcher(watcher: Watcher, owned: list[int]) -> None:
-    """Close the watcher (which wakes a join() blocked in it in another thread) and the
-    exit handles that are ours (pidfds)."""
+def _close_watcher(watcher: Watcher, children: list[WatchedChild]) -> None:
+    """Close the watcher (which wakes a join() blocked in it in another thread), then each
+    rank's exit handle (if ours), channel and reader."""
     watcher.close()
-    for fd in owned:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    owned.clear()
+    for child in children:
+        child.close_handles()
 
 
 def _release_dropped(
@@ -497,18 +459,15 @@ def _release_dropped(
 
 
 def _release(
-    readers: list[MessageReader],
+    children: list[WatchedChild],
     output: OutputForwarder | None,
     progress: Progress | None,
     keepalive: StartupMessage | None,
     watcher: Watcher,
-    owned: list[int],
 ) -> None:
     """What a context holds besides its processes. Run by ``_close``, or by the garbage
     collector for a context dropped unclosed (ranks joined by hand, say)."""
-    _close_watcher(watcher, owned)
-    for reader in readers:
-        _close_reader(reader)
+    _close_watcher(watcher, children)
     if progress is not None:
         progress.close()
     if output is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import select
 import selectors
 import signal
 import sys
@@ -25,13 +26,15 @@ from collections.abc import Callable, Iterator
 
 from .. import _settings
 from .._output import OutputForwarder
-from ..sharing.channels._fdpass import wait_readable
+from ..sharing._errors import ChannelClosed, FdLimitError
+from ..sharing.channels._fdpass import MessageReader, wait_readable
 from ._errors import signal_name
 from .launch._start_method import GUARD_MARKER
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 
 if TYPE_CHECKING:  # pragma: no cover
+    import socket
     from multiprocessing.process import BaseProcess
     from typing import Any
 
@@ -348,6 +351,153 @@ class Watcher:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+EXIT, CHANNEL = "exit", "chan"  # a WatchedChild's keys in the watcher: (EXIT, key), (CHANNEL, key)
+
+
+class WatchedChild:
+    """One child as its parent watches it: the process, the parent's end of its channel
+    and the reader of that channel, its exit handle (both in the parent's ``Watcher``,
+    under ``(EXIT, key)`` and ``(CHANNEL, key)``; key None: the child itself), and what
+    its post-mortem needs: the kernel's count of out-of-memory kills as it started and
+    its key in the output forwarder.
+
+    ``spawn``'s ranks (``ProcessContext``) and the pools' workers (``pool._workers``) are
+    watched children; ``procspawn run``'s ranks are not (it waits in ``sigtimedwait``, to
+    know who sent a signal) and shares the post-mortem's wording (``how_it_ended``).
+    """
+
+    __slots__ = (
+        "proc",
+        "pid",
+        "sock",
+        "reader",
+        "exit_fd",
+        "own_exit_fd",
+        "watcher",
+        "key",
+        "output_key",
+        "oom_kills",
+    )
+
+    def __init__(
+        self,
+        proc: BaseProcess,
+        sock: socket.socket,
+        watcher: Watcher,
+        key: Any,
+        output_key: int,
+        oom_count: int | None,
+    ) -> None:
+        self.proc = proc
+        self.pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
+        self.sock = sock
+        sock.setblocking(False)  # read (and written, by a pool) as the watcher says
+        self.reader = MessageReader(sock)
+        self.watcher = watcher
+        self.key = key  # None: the child itself (not kept here: no reference cycle)
+        self.output_key = output_key
+        self.oom_kills = oom_count  # the kernel's count as it started (see describe_exit)
+        self.exit_fd, self.own_exit_fd = exit_handle(proc)
+        try:
+            watcher.add(self.exit_fd, (EXIT, self._key()))
+            watcher.add(sock.fileno(), (CHANNEL, self._key()))
+        except BaseException:
+            watcher.remove(self.exit_fd)
+            if self.own_exit_fd:
+                os.close(self.exit_fd)
+            raise
+
+    def read(self, on_message: Callable[[bytes, list[int]], bool]) -> None:
+        """Read what its channel has, without blocking, handing each whole message to
+        ``on_message`` (True: read no further now). At the channel's end, or a broken
+        channel, ``reader.eof`` is set and the channel is not watched any more. An
+        FdLimitError (this process at its descriptor limit: a message read whole, its
+        descriptors dropped) goes to the caller, and reading may go on after it."""
+        reader = self.reader
+        try:
+            while True:
+                if reader.feed() and on_message(*reader.pop()):
+                    return
+        except (BlockingIOError, InterruptedError):
+            return
+        except FdLimitError:
+            raise
+        except (ChannelClosed, OSError):
+            reader.eof = True
+            self.watcher.remove(self.sock.fileno())
+
+    def want_write(self, write: bool) -> None:
+        """Watch its channel for room to write too (a send is pending), or not."""
+        self.watcher.want_write(self.sock.fileno(), (CHANNEL, self._key()), write)
+
+    def _key(self) -> Any:
+        return self if self.key is None else self.key
+
+    def has_exited(self) -> bool:
+        """Whether its exit handle says it is gone, without waiting."""
+        poller = select.poll()
+        poller.register(self.exit_fd, select.POLLIN)
+        return any(events & (select.POLLIN | select.POLLHUP) for _, events in poller.poll(0))
+
+    def exit_status(self, server_wait: float | None = None) -> int | None:
+        """Its exit status, once its exit handle said it exited; None: reaped outside
+        multiprocessing, unknown (see ``exit_code``). ``server_wait``: under forkserver, the
+        seconds to wait for the server to report it, then SIGKILL to be sure it is gone
+        and as long again (None: as long as it takes)."""
+        code = exit_code(self.proc, server_wait)
+        if code is None and server_wait is not None:  # the server never said: be sure
+            send_signal(self.proc, signal.SIGKILL)
+            code = exit_code(self.proc, server_wait)
+        return code
+
+    def how_it_ended(self, code: int | None) -> tuple[str, str | None, int]:
+        """Words for its end, its signal's name (or None), and the exit code to report
+        (``UNKNOWN_EXIT_CODE`` where ``code`` is None)."""
+        return how_it_ended(code, self.pid, self.oom_kills)
+
+    def last_words(self, output: OutputForwarder | None, drain: float) -> str:
+        """What it printed last on stderr, and the likely cause (see ``last_words``)."""
+        return last_words(output, self.output_key, drain)
+
+    def missing_guard(self, output: OutputForwarder | None, drain: float, who: str) -> str | None:
+        """The error of a start stopped by a missing ``__main__`` guard, or None."""
+        return missing_guard(output, self.output_key, drain, who)
+
+    def unwatch(self) -> None:
+        self.watcher.remove(self.exit_fd)
+        self.watcher.remove(self.sock.fileno())
+
+    def close(self) -> None:
+        """Out of the watcher; its exit handle (if ours), channel and reader closed."""
+        self.unwatch()
+        self.close_handles()
+
+    def close_handles(self) -> None:
+        """Its exit handle (if ours), channel and reader closed (the watcher closed, or
+        left already)."""
+        if self.own_exit_fd:
+            self.own_exit_fd = False
+            with contextlib.suppress(OSError):
+                os.close(self.exit_fd)
+        self.close_channel()
+
+    def close_channel(self) -> None:
+        """Its channel and reader closed (a child blocked sending on it gets EPIPE)."""
+        self.reader.close()
+        self.sock.close()
+
+
+def how_it_ended(
+    code: int | None, pid: int | None, oom_kills_before: int | None
+) -> tuple[str, str | None, int]:
+    """Words for a child's end, its signal's name (or None), and the exit code to report
+    (``UNKNOWN_EXIT_CODE`` where ``code`` is None: see ``exit_code``)."""
+    if code is None:
+        return unknown_exit_text(), None, UNKNOWN_EXIT_CODE
+    how, name = describe_exit(code, pid=pid, oom_kills_before=oom_kills_before)
+    return how, name, code
 
 
 def stop(processes: list[BaseProcess], grace_period: float, signum: int = signal.SIGTERM) -> None:

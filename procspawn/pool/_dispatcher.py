@@ -41,23 +41,17 @@ from .._output import OutputForwarder
 from ..context import _raised, _tags
 from ..context._errors import ProcessExitedException, ctrl_c
 from ..context._watch import (
-    UNKNOWN_EXIT_CODE,
     Watcher,
     default_grace_period,
-    describe_exit,
-    exit_code,
-    last_words,
-    missing_guard,
     oom_kills,
     send_signal,
     sigint_held,
     stop,
-    unknown_exit_text,
 )
 from ..context.launch._child import (
     check_can_start_children,
 )
-from ..sharing._errors import ChannelClosed, FdLimitError
+from ..sharing._errors import FdLimitError
 from ..sharing.channels._startup import StartupMessage
 from ..sharing.wire import _main_names, _pickler
 from ._errors import TaskTimeoutError
@@ -782,12 +776,15 @@ class Dispatcher:
     # -- results ----------------------------------------------------------------------------
 
     def _read(self, worker: Worker) -> None:
-        reader = worker.reader
+        """Take the messages ``worker`` sent, until there are none or it is gone."""
+
+        def on_message(data: bytes, fds: list[int]) -> bool:
+            self._on_message(worker, data, fds)
+            return worker.slot not in self._workers or self.broken is not None
+
         while True:
             try:
-                if not reader.feed():
-                    continue
-            except (BlockingIOError, InterruptedError):
+                worker.read(on_message)
                 return
             except FdLimitError as exc:
                 # this process is at its descriptor limit: the message (an answer: only
@@ -798,15 +795,6 @@ class Dispatcher:
                 self._lost_answer(worker, exc)
                 if worker.slot not in self._workers or self.broken is not None:
                     return
-                continue
-            except (ChannelClosed, OSError):
-                reader.eof = True
-                self._watcher.remove(worker.sock.fileno())
-                return
-            data, fds = reader.pop()
-            self._on_message(worker, data, fds)
-            if worker.slot not in self._workers or self.broken is not None:
-                return
 
     def _lost_answer(self, worker: Worker, exc: FdLimitError) -> None:
         """The answer to ``worker``'s oldest task could not be received."""
@@ -920,7 +908,9 @@ class Dispatcher:
             self._read(worker)  # what it sent before it died is all there by now
             if worker.slot not in self._workers:
                 return
-        code = self._exit_status(worker)
+        # a forked worker is a zombie now (its exit handle said so); under forkserver
+        # the status comes from the server, which is not waited for without limit
+        code = worker.exit_status(None if self.start_method == "fork" else 5.0)
         tasks = list(worker.tasks)
         worker.tasks.clear()
         # only the task it took off its channel can have killed it; the others never
@@ -932,17 +922,6 @@ class Dispatcher:
         self._forget(worker)  # (reaped first: its Process holds descriptors)
         outcome = self._death_outcome(worker, code, running)
         self._DEATH_ACTS[outcome](self, worker, code, running, tasks)
-
-    def _exit_status(self, worker: Worker) -> int | None:
-        """A dead worker's exit status; None: reaped outside multiprocessing, its status
-        unknown (see exit_code). A forked worker is a zombie now (its exit handle said
-        so); under forkserver the status comes from the server, which is not waited for
-        without limit."""
-        code = exit_code(worker.proc, None if self.start_method == "fork" else 5.0)
-        if code is None and self.start_method != "fork":  # the server never said: be sure
-            send_signal(worker.proc, signal.SIGKILL)
-            code = exit_code(worker.proc, 5.0)
-        return code
 
     def _death_outcome(self, worker: Worker, code: int | None, running: Task | None) -> str:
         """How a worker's death is taken, from what is known of it (no side effects):
@@ -1017,7 +996,7 @@ class Dispatcher:
         unguarded = None
         if self.start_method != "fork":
             who = f"pool worker (pid {worker.pid})"
-            unguarded = missing_guard(self._output, worker.slot, _OUTPUT_DRAIN, who)
+            unguarded = worker.missing_guard(self._output, _OUTPUT_DRAIN, who)
         if unguarded is not None:
             self._requeue(tasks)
             self._break(RuntimeError(unguarded))
@@ -1071,10 +1050,7 @@ class Dispatcher:
         self, worker: Worker, code: int | None, task: Task | None
     ) -> ProcessExitedException:
         """The error of a worker's unexpected exit; ``code`` None: its status is unknown."""
-        if code is None:
-            how, name, code = unknown_exit_text(), None, UNKNOWN_EXIT_CODE
-        else:
-            how, name = describe_exit(code, pid=worker.pid, oom_kills_before=worker.oom_kills)
+        how, name, code = worker.how_it_ended(code)
         if task is not None:
             when = f" while running {task.job.describe(task)}"
         elif worker.ready:
@@ -1087,7 +1063,7 @@ class Dispatcher:
                 f"; the task ran {task.deaths + 1} times (retries={self.retries}) and every "
                 f"worker that ran it died"
             )
-        words = last_words(self._output, worker.slot, _OUTPUT_DRAIN)
+        words = worker.last_words(self._output, _OUTPUT_DRAIN)
         msg += words
         if not worker.ready and not words and self.start_method != "fork":
             msg += (

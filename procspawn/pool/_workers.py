@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import signal
 import socket
 import time
 import weakref
 
 from .. import _log
-from ..context._watch import exit_handle, send_signal
+from ..context._watch import WatchedChild, send_signal
 from ..context.launch._child import parent_death_signal_is_safe, start_child
 from ..context.launch._posix import kill_tree
 from ..sharing.channels._fdpass import (
-    MessageReader,
     message_size,
     send_message,
     send_more,
@@ -44,19 +42,12 @@ FUNCTIONS_KEPT = 16  # functions a worker keeps, the most recently used
 _MAX_FDS_NONBLOCKING = 253  # a message with more descriptors is sent blocking
 
 
-class Worker:
-    """One worker process as the dispatcher sees it. Its channel and exit handle are in
-    the dispatcher's watcher under ``("chan", worker)`` and ``("exit", worker)``."""
+class Worker(WatchedChild):
+    """One worker process as the dispatcher sees it: a watched child (its key in the
+    watcher is the worker itself, its output's the slot) with the pool's state."""
 
     __slots__ = (
         "slot",
-        "proc",
-        "pid",
-        "sock",
-        "reader",
-        "exit_fd",
-        "own_exit_fd",
-        "watcher",
         "tasks",
         "functions",
         "tasks_left",
@@ -70,7 +61,6 @@ class Worker:
         "stopping",
         "kill_at",
         "killed_for",
-        "oom_kills",
     )
 
     def __init__(
@@ -84,12 +74,6 @@ class Worker:
         main_index: dict[str, Any] | None,
     ) -> None:
         self.slot = slot
-        self.proc = proc
-        self.pid: int = proc.pid  # type: ignore[assignment]  # started: it has a pid
-        self.sock = sock
-        self.reader = MessageReader(sock)
-        self.exit_fd, self.own_exit_fd = exit_handle(proc)
-        self.watcher = watcher
         self.tasks: collections.deque[Task] = collections.deque()
         # the functions it was sent, by the id of the parent's object (held weakly)
         self.functions: collections.OrderedDict[int, weakref.ref[Any]] = collections.OrderedDict()
@@ -109,9 +93,7 @@ class Worker:
         # (task, error): killed because of its running task (a timeout, kill()); that
         # task fails with the error unless it answered first
         self.killed_for: tuple[Task, BaseException] | None = None
-        self.oom_kills = oom_count  # the kernel's count as it started (see describe_exit)
-        watcher.add(self.exit_fd, ("exit", self))
-        watcher.add(sock.fileno(), ("chan", self))
+        super().__init__(proc, sock, watcher, None, slot, oom_count)
 
     @classmethod
     def start(
@@ -154,16 +136,15 @@ class Worker:
             raise
         finally:
             child_end.close()
-        parent_end.setblocking(False)
-        return cls(slot, proc, parent_end, watcher, max_tasks, oom_count, main_index)
+        try:
+            return cls(slot, proc, parent_end, watcher, max_tasks, oom_count, main_index)
+        except BaseException:  # out of descriptors for its exit handle, say
+            parent_end.close()
+            send_signal(proc, signal.SIGKILL)
+            proc.join()
+            raise
 
     # -- its state --------------------------------------------------------------------------
-
-    def has_exited(self) -> bool:
-        """Whether its exit handle says it is gone, without waiting."""
-        poller = select.poll()
-        poller.register(self.exit_fd, select.POLLIN)
-        return any(events & (select.POLLIN | select.POLLHUP) for _, events in poller.poll(0))
 
     def counts(self) -> bool:
         """Whether it counts toward the pool's size: not stopping, and not given its last
@@ -232,16 +213,11 @@ class Worker:
     def close(self) -> None:
         """Let go of it: out of the watcher, its channel and exit handle closed, what was
         queued for it given back, the process reaped if it has exited."""
-        self.watcher.remove(self.exit_fd)
-        self.watcher.remove(self.sock.fileno())
-        if self.own_exit_fd:
-            os.close(self.exit_fd)
+        super().close()
         for message, _sent in self.outbox:
             if message is not None:
                 message.abandon()
         self.outbox.clear()
-        self.reader.close()
-        self.sock.close()
         self.proc.is_alive()  # reaps it if it has exited (join(0) imports a module)
 
     # -- sending ---------------------------------------------------------------------------
@@ -287,7 +263,6 @@ class Worker:
         self.flush()
 
     def flush(self) -> None:
-        key = ("chan", self)
         try:
             while self.outbox:
                 entry = self.outbox[0]
@@ -308,14 +283,14 @@ class Worker:
                     sent = send_more(self.sock, message.data, len(message.fds), sent)
                 entry[1] = sent
                 if sent < size:
-                    self.watcher.want_write(self.sock.fileno(), key, True)
+                    self.want_write(True)
                     return
                 self.outbox.popleft()
                 message.close()
-            self.watcher.want_write(self.sock.fileno(), key, False)
+            self.want_write(False)
         except OSError:
             # the worker is gone (EPIPE, ECONNRESET): its exit handle tells the rest
-            self.watcher.want_write(self.sock.fileno(), key, False)
+            self.want_write(False)
 
 
 __all__ = ["FUNCTIONS_KEPT", "Worker"]

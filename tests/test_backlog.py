@@ -27,7 +27,10 @@ def _keep_all(q, n, out, all_put):
     out.put((len(kept), all(int(a[0]) == i and a.shape == (16,) for i, a in enumerate(kept))))
 
 
-@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+# the same soak under the other strategy: out of the default run
+@pytest.mark.parametrize(
+    "strategy", [pytest.param("file_descriptor", marks=pytest.mark.slow), "file_system"]
+)
 def test_a_backlog_of_20000_small_shared_arrays_waits_for_a_slow_consumer(strategy):
     # A replay buffer: a producer puts 20,000 fresh 16-element shared arrays (all carved
     # from one slab) into an unbounded Queue; the consumer starts reading once all are
@@ -175,7 +178,9 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("strategy", ["file_system", "default"])
+@pytest.mark.parametrize(
+    "strategy", ["file_system", pytest.param("default", marks=pytest.mark.slow)]
+)
 def test_a_producer_at_a_low_descriptor_limit_far_ahead_of_its_consumer(strategy, tmp_path):
     """2,000 fresh arrays put while the consumer waits, at a limit of 64 descriptors: the
     messages waiting in the producer name their segments once it has used half its
@@ -226,7 +231,14 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("source", ["generator", "list", "made"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "generator",
+        pytest.param("list", marks=pytest.mark.slow),
+        pytest.param("made", marks=pytest.mark.slow),
+    ],
+)
 def test_an_imap_over_arrays_with_a_slow_consumer_at_a_low_descriptor_limit(source, tmp_path):
     """Each result waiting for the caller holds a descriptor (file_descriptor): the
     results done ahead are kept under a quarter of the limit, so a caller that holds

@@ -311,7 +311,7 @@ def test_a_daemon_at_its_hard_descriptor_limit_pauses_and_serves_everyone():
     assert got["after"] and got["daemons"]
 
 
-@pytest.mark.soak  # 14 s: out of the default run (pytest -m soak)
+@pytest.mark.slow  # 14 s: out of the default run (pytest -m slow)
 @pytest.mark.timeout(200)
 @pytest.mark.skipif(_hard_limit() < 4096, reason="1,100 processes need 4096 descriptors")
 def test_1100_clients_under_the_default_descriptor_limit_one_daemon_one_table():
@@ -366,6 +366,7 @@ def _daemon_of(address):
     return pid
 
 
+@pytest.mark.slow  # a soak: 10,000 connections
 def test_the_daemon_survives_garbage_stopped_readers_and_10000_connections():
     from procspawn.sharing.daemon._table import PREFIX, SHM_DIR
 

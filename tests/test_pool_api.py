@@ -521,7 +521,12 @@ def test_max_tasks_per_child_of_one_over_a_map(method):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "method, strategy",
-    [("fork", "file_descriptor"), ("forkserver", "file_descriptor"), ("fork", "file_system")],
+    [
+        ("fork", "file_descriptor"),
+        # the same soak under another start method, another strategy: out of the default run
+        pytest.param("forkserver", "file_descriptor", marks=pytest.mark.slow),
+        pytest.param("fork", "file_system", marks=pytest.mark.slow),
+    ],
 )
 def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, strategy):
     """Workers replaced after every task, arrays in every result, a process allowed 64
@@ -584,7 +589,7 @@ def test_hundreds_of_worker_lifetimes_under_a_limit_of_64_descriptors(method, st
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("make", ["pool", "executor"])
+@pytest.mark.parametrize("make", ["pool", pytest.param("executor", marks=pytest.mark.slow)])
 def test_a_pool_made_with_too_few_descriptors_left_says_so_and_the_fork_server_lives(make):
     """A pool made while the process is (nearly) out of descriptors, for every count from
     none to enough left: it works, or the caller gets an FdLimitError (what ran out, what

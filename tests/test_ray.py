@@ -254,6 +254,7 @@ def test_without_ray_the_error_says_how_to_install_it_and_procspawn_never_import
     assert "pip install 'procspawn[ray]'" in result.stdout
 
 
+@pytest.mark.slow  # a second cluster's start and stop (6 s)
 def test_a_local_cluster_of_its_own_is_shut_down_after():
     code = textwrap.dedent(
         """

@@ -12,6 +12,7 @@ import pytest
 from _helpers import ROOT, script_env
 
 
+@pytest.mark.slow  # a soak: every piece at once, round after round
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["parent-per-round", "long-lived-parent"])
 def test_torture(tmp_path, mode):

@@ -9,6 +9,20 @@ by procspawn's default context, so that they can be passed to procspawn's proces
 
 Names are imported on first use (PEP 562), so a rank imports only what it needs: a worker
 whose function never touches NumPy does not pay for importing it.
+
+Levels, each module importing only from those below it (the subpackages state their own
+inside them; this table and theirs are the only places that state levels):
+
+    7  cli: the procspawn command
+    6  this package: the public names
+    5  _dropin: the multiprocessing drop-in;  joblib: the joblib backend (an extra)
+    4  pool/: Pool, the executors;  _run: procspawn run
+    3  context/: spawn, its ranks, the watcher every parent uses
+    2  sharing/: shared memory, the wire, channels, the cleanup daemon, GPU arrays
+    1  _log: procspawn's logger
+    0  _settings: every setting;  _output: the children's stdout and stderr;  _lazy:
+       names on first use;  and under them _generic (Generic, TypeVar without typing),
+       _late (imports after start-up that a fork must not cut in half), _version
 """
 
 from __future__ import annotations

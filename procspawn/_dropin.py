@@ -20,7 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context as mpc
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
+from typing import Any, Literal, TypeAlias, overload
 
 from . import _settings
 from .context.launch._cuda_guard import refuse_fork
@@ -38,6 +38,7 @@ from .sharing.channels._startup import StartupMessage
 from .sharing.segments import _strategy
 from .sharing.wire import _pickler
 
+TYPE_CHECKING = False  # as typing's (this package's one convention)
 if TYPE_CHECKING:  # pragma: no cover
     from .pool import _pool
     from .sharing.channels import _connection, _queues

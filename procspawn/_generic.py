@@ -1,4 +1,4 @@
-"""Level 0: ``Generic`` and ``TypeVar`` at run time, without importing ``typing``.
+"""``Generic`` and ``TypeVar`` at run time, without importing ``typing``.
 
 Importing ``typing`` costs ~3 ms, a tenth of a pool's start: procspawn's modules use it
 for the type checker only, but for their generic classes (``AsyncResult[int]``,

@@ -1,4 +1,4 @@
-"""Level 0: what a fork must not cut in half: modules imported after start-up, from any
+"""What a fork must not cut in half: modules imported after start-up, from any
 thread, and module locks.
 
 procspawn imports some modules at their first use rather than as a pool starts (ctypes,

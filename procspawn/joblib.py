@@ -40,7 +40,7 @@ import queue
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import joblib
 from joblib.parallel import (
@@ -56,6 +56,7 @@ from .pool._failures import check_max_tasks, check_options, check_seconds
 from .pool._reusable import current_reusable_executor, get_reusable_executor
 from .sharing.wire._swap import Swapped
 
+TYPE_CHECKING = False  # as typing's (this package's one convention)
 if TYPE_CHECKING:  # pragma: no cover
     from concurrent.futures import Future
 

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._output import OutputForwarder
 from ..sharing._errors import FdLimitError
@@ -43,6 +43,7 @@ from ._watch import (
     stop,
 )
 
+TYPE_CHECKING = False  # as typing's (this package's one convention)
 if TYPE_CHECKING:  # pragma: no cover
     from ..sharing.channels._startup import StartupMessage
 

@@ -24,7 +24,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from .. import _settings
 from .._output import OutputForwarder
@@ -39,6 +39,7 @@ from .launch._child import check_can_start_children, parent_death_signal_is_safe
 from .launch._cuda_guard import refuse_fork
 from .launch._start_method import get_start_method, refuse_while_starting
 
+TYPE_CHECKING = False  # as typing's (this package's one convention)
 if TYPE_CHECKING:  # pragma: no cover
     from ._ray import RayContext
 

@@ -1,4 +1,4 @@
-"""Level 1: the tags of what a child sends its parent, one vocabulary for ``spawn``'s ranks
+"""The tags of what a child sends its parent, one vocabulary for ``spawn``'s ranks
 (and their Ray actors) and the pools' workers. No imports.
 
 Every message is a tuple whose first item is its tag::

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -13,6 +13,7 @@ from . import _recycled, _slabs
 from ._ndarray import copy_to_segment, empty_like_in_segment
 from ._segment import segment_of
 
+TYPE_CHECKING = False  # as typing's (this package's one convention)
 if TYPE_CHECKING:  # pragma: no cover
     from numpy.typing import DTypeLike
 

@@ -1,4 +1,4 @@
-"""Level 1 (wire): the functions and classes of ``__main__`` a receiver has, sent by name.
+"""The functions and classes of ``__main__`` a receiver has, sent by name.
 
 The standard library pickles a function or class of the main script by name, and the
 worker finds it in its own main module: imported again under spawn and forkserver,

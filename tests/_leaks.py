@@ -71,17 +71,23 @@ def recycled_kept() -> dict[tuple[int, int] | str, int]:
     return kept
 
 
+def is_socket(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:
+        return False
+
+
 def fds() -> set[int]:
     kept = recycled_kept()
     fds = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             st = os.stat(f"/proc/self/fd/{fd}")
-            if (st.st_dev, st.st_ino) in kept:
-                continue
         except OSError:
-            pass
-        fds.add(int(fd))
+            continue  # closed by now: the listing's own descriptor, say
+        if (st.st_dev, st.st_ino) not in kept:
+            fds.add(int(fd))
     return fds
 
 

@@ -34,6 +34,10 @@ def cluster():
     # Warm up: the driver's connections, the object store mapping, a worker or two, so
     # that the leak check's baseline of each test sees them.
     mp.spawn(_rank_and_world, nprocs=2, backend="ray", args=(np.ones(1 << 18),))
+    # and the driver's connections to the workers that run a pool's tasks
+    with mp.ProcessPoolExecutor(2, backend="ray") as ex:
+        list(ex.map(_inc, range(4)))
+        list(ex.map(_sum_and_writable, [np.ones(1 << 18)] * 2))  # (put in the store)
     yield
     ray.shutdown()
 
@@ -301,3 +305,130 @@ def test_ctrl_c_while_joining_stops_every_rank():
         signal.signal(signal.SIGALRM, previous)
     with pytest.raises(mp.ProcessException, match="KeyboardInterrupt"):
         ctx.join()  # stopped: later joins say why
+
+
+# -- the pools on Ray: ProcessPoolExecutor(backend="ray"), Pool(backend="ray") ---------------
+
+
+@pytest.fixture
+def cluster_idle_after():
+    """After a pool test: every CPU of the cluster free again (no task left running)."""
+    yield
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) == 2, ray.available_resources()
+
+
+def _inc(x):
+    return x + 1
+
+
+def _raise_value_error(x):
+    raise ValueError(f"bad item {x}")
+
+
+def _exit_abruptly(x):
+    os._exit(3)
+
+
+def _sleep_then(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def _sum_and_writable(array):
+    return float(array.sum()), array.flags.writeable
+
+
+def _ones(n):
+    return np.ones(n)
+
+
+@pytest.mark.ray_tasks
+def test_an_executor_on_ray_gives_results_and_the_tasks_own_errors(cluster_idle_after):
+    with mp.ProcessPoolExecutor(2, backend="ray") as ex:
+        assert ex.submit(_inc, 1).result(timeout=60) == 2
+        assert list(ex.map(_inc, range(50), chunksize=7, timeout=60)) == list(range(1, 51))
+        with pytest.raises(ValueError, match="bad item 3") as info:
+            ex.submit(_raise_value_error, 3).result(timeout=60)
+        # the remote traceback is the cause, as with the stdlib's executor
+        assert "_raise_value_error" in str(info.value.__cause__)
+
+
+@pytest.mark.ray_tasks
+def test_a_task_that_exits_is_an_exited_error_and_the_executor_goes_on(cluster_idle_after):
+    with mp.ProcessPoolExecutor(2, backend="ray") as ex:
+        with pytest.raises(mp.ProcessExitedException, match=r"_exit_abruptly\(1\) died"):
+            ex.submit(_exit_abruptly, 1).result(timeout=60)
+        assert ex.submit(_inc, 5).result(timeout=60) == 6  # one death breaks nothing
+    with mp.ProcessPoolExecutor(2, backend="ray", retries=1) as ex:
+        with pytest.raises(mp.ProcessExitedException, match=r"ran 2 times \(retries=1\)"):
+            ex.submit(_exit_abruptly, 1).result(timeout=60)
+        assert ex.submit(_inc, 6).result(timeout=60) == 7
+
+
+@pytest.mark.ray_tasks
+def test_task_timeout_and_kill_stop_a_running_task_on_ray(cluster_idle_after):
+    with mp.ProcessPoolExecutor(2, backend="ray", task_timeout=1.0) as ex:
+        started = time.monotonic()
+        with pytest.raises(mp.TaskTimeoutError, match="task_timeout of 1 s"):
+            ex.submit(_sleep_then, 60).result(timeout=60)
+        assert time.monotonic() - started < 30
+        assert ex.submit(_inc, 7).result(timeout=60) == 8
+    with mp.ProcessPoolExecutor(2, backend="ray") as ex:
+        future = ex.submit(_sleep_then, 60)
+        time.sleep(0.5)
+        future.kill()
+        with pytest.raises(Exception, match="killed"):
+            future.result(timeout=30)
+        assert ex.submit(_inc, 8).result(timeout=60) == 9
+
+
+@pytest.mark.ray_tasks
+def test_a_pool_on_ray_maps_and_arrays_go_in_read_only_and_come_back_writable(
+    cluster_idle_after,
+):
+    big = np.ones(1 << 18)  # 2 MiB: put in the object store once, read there
+    with mp.Pool(2, backend="ray") as pool:
+        assert pool.map(_inc, range(20)) == list(range(1, 21))
+        assert pool.apply(_inc, (3,)) == 4
+        assert sorted(pool.imap_unordered(_inc, range(5))) == [1, 2, 3, 4, 5]
+        assert pool.map(_sum_and_writable, [big, big]) == [(float(1 << 18), False)] * 2
+        result = pool.apply(_ones, (10,))
+        result[0] = 5.0  # a result is the caller's own, writable
+        with pytest.raises(ValueError, match="bad item 2"):
+            pool.apply(_raise_value_error, (2,))
+
+
+def test_options_that_do_not_apply_on_ray_are_refused_in_the_caller():
+    with pytest.raises(ValueError, match="max_tasks_per_child do\\(es\\) not apply"):
+        mp.ProcessPoolExecutor(2, backend="ray", max_tasks_per_child=3)
+    with pytest.raises(ValueError, match="unknown backend 'dask'"):
+        mp.Pool(2, backend="dask")
+    with pytest.raises(ValueError, match="ray_address applies to backend='ray' only"):
+        mp.Pool(2, ray_address="auto")
+
+
+@pytest.mark.ray_tasks
+def test_a_shared_array_is_refused_with_the_reason(cluster_idle_after):
+    shared = sharing.zeros(16)
+    with mp.ProcessPoolExecutor(1, backend="ray") as ex:
+        with pytest.raises(ValueError, match="shared-memory array .* one machine only"):
+            ex.submit(_sum_and_writable, shared).result(timeout=60)
+    del shared
+
+
+@pytest.mark.ray_tasks
+def test_ctrl_c_while_waiting_on_a_ray_executor_stops_its_tasks(cluster_idle_after):
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with mp.ProcessPoolExecutor(2, backend="ray") as ex:
+                futures = [ex.submit(_sleep_then, 60) for _ in range(2)]
+                futures[0].result(timeout=60)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert all(f.done() for f in futures)

@@ -51,21 +51,23 @@ _TICK = 0.2  # seconds between looks while joining, so Ctrl-C is seen promptly
 _R = TypeVar("_R")  # what the ranks' function returns
 
 
-def import_ray() -> Any:
-    """Ray, or a clear error saying how to install it."""
+def import_ray(what: str = "spawn(..., backend='ray')") -> Any:
+    """Ray, or a clear error saying how to install it (``what`` needs it)."""
     try:
         import ray
     except ImportError as exc:
         raise RayMissingError(
-            "spawn(..., backend='ray') needs Ray, which is not installed in this "
-            "environment: pip install 'procspawn[ray]' (or pip install ray)"
+            f"{what} needs Ray, which is not installed in this environment: "
+            f"pip install 'procspawn[ray]' (or pip install ray)"
         ) from exc
     return ray
 
 
-def refuse_shared_arrays(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def refuse_shared_arrays(
+    args: tuple[Any, ...], kwargs: dict[str, Any], what: str = "spawn(..., backend='ray')"
+) -> None:
     """Arrays made with ``share_memory_`` / ``sharing.zeros`` cannot be shared writably
-    across machines: refuse them before anything starts."""
+    across machines: refuse them before anything starts (``what`` was given them)."""
     if "numpy" not in sys.modules:
         return  # no array could be in there
     from ..sharing import is_shared
@@ -73,11 +75,12 @@ def refuse_shared_arrays(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for where, obj in _walk(args, kwargs):
         if is_shared(obj):
             raise ValueError(
-                f"spawn(..., backend='ray'): {where} is a procspawn shared-memory array "
-                f"(share_memory_ / sharing.zeros). Writes to shared memory across ranks "
-                f"(Hogwild) work on one machine only: use backend='process' for that. "
-                f"With Ray, pass a plain array (np.array(a)): each rank reads it from "
-                f"Ray's object store, read-only, and returns what it computes."
+                f"{what}: {where} is a procspawn shared-memory array "
+                f"(share_memory_ / sharing.zeros). Writes to shared memory across "
+                f"processes (Hogwild) work on one machine only: use backend='process' for "
+                f"that. With Ray, pass a plain array (np.array(a)): each rank or task "
+                f"reads it from Ray's object store, read-only, and returns what it "
+                f"computes."
             )
 
 
@@ -183,9 +186,9 @@ _cluster_lock = threading.Lock()
 _cluster_users = 0  # open contexts on a cluster of ours; 0 when it is not ours
 
 
-def _connect(ray: Any, address: str | None, nprocs: int) -> bool:
+def connect(ray: Any, address: str | None, nprocs: int) -> bool:
     """Make sure Ray is initialised here; True when the context runs on a local cluster
-    procspawn started (then ``_disconnect`` must be called once it is closed)."""
+    procspawn started (then ``disconnect`` must be called once it is closed)."""
     global _cluster_users
     with _cluster_lock:  # two threads spawning at once must not both call ray.init
         if ray.is_initialized():
@@ -208,7 +211,7 @@ def _connect(ray: Any, address: str | None, nprocs: int) -> bool:
         return True
 
 
-def _disconnect(ray: Any) -> None:
+def disconnect(ray: Any) -> None:
     """A context on our own cluster is closed: shut it down if it was the last one."""
     global _cluster_users
     with _cluster_lock:
@@ -238,7 +241,7 @@ def start_ray(
     del payload_bytes  # a check in the parent; Ray pickles them again for the store
     ray = import_ray()
     deadline = None if timeout is None else time.monotonic() + timeout
-    owned = _connect(ray, ray_address, nprocs)
+    owned = connect(ray, ray_address, nprocs)
     context: RayContext[_R] = RayContext(ray, fn, args, kwargs, nprocs, owned, deadline)
     if not join:
         return context
@@ -280,7 +283,7 @@ class _Held:
                 pass
         self.actors, self.group, self.ready = [], None, None
         if self.owned:
-            _disconnect(ray)
+            disconnect(ray)
 
 
 class RayContext(Generic[_R]):

@@ -29,12 +29,14 @@ from ..context._progress import Progress, as_progress, wait_showing
 from ..context.launch._start_method import start_method_of
 from . import _worker
 from ._dispatcher import Dispatcher
-from ._failures import check_max_tasks, check_options
+from ._failures import check_backend, check_max_tasks, check_options
 from ._tasks import Job, Task
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
     from typing import Any, ParamSpec, TypeVar
+
+    from ._tasks import Dispatching
 else:
     from .._generic import TypeVar
 
@@ -53,7 +55,7 @@ class Future(_cf.Future[_T]):
     """
 
     _procspawn_kill: Callable[[], None] | None = None
-    _procspawn_dispatcher: Dispatcher | None = None
+    _procspawn_dispatcher: Dispatching | None = None
 
     @ctrl_c_in_caller
     def result(self, timeout: float | None = None) -> _T:
@@ -149,7 +151,7 @@ class _ChunksJob(Job):
         _set(future, ok, value)
 
 
-def _kill(dispatcher: Dispatcher, job_ref: weakref.ref[Job]) -> None:
+def _kill(dispatcher: Dispatching, job_ref: weakref.ref[Job]) -> None:
     """``Future.kill()`` of a call not done (its job is alive while its task is)."""
     job = job_ref()
     if job is not None:
@@ -210,6 +212,19 @@ class ProcessPoolExecutor(_cf.Executor):
             as the stdlib's (``TerminatedWorkerError``).
         max_memory_per_child: bytes; a worker whose resident memory is above it after a
             call is replaced before its next one. None: no limit.
+        backend: ``"process"`` (worker processes on this machine) or ``"ray"``: each
+            call (or chunk of ``map``) a Ray task on a Ray cluster, at most
+            ``max_workers`` at once (1 CPU each). ``retries`` is Ray's ``max_retries`` (a
+            call may then run more than once), ``task_timeout`` and ``Future.kill()``
+            cancel the task (``ray.cancel(force=True)``: its Ray worker is killed), a
+            dead Ray worker is ``ProcessExitedException`` naming Ray's cause and never
+            breaks the executor. Arrays of 1 MiB or more among a call's arguments go to
+            Ray's object store once and reach the task read-only; results come back
+            writable. ``mp_context``, ``max_tasks_per_child`` and
+            ``max_memory_per_child`` do not apply. Needs ``pip install 'procspawn[ray]'``.
+        ray_address: the Ray cluster (default: ``RAY_ADDRESS``, else the one this
+            process is connected to, else a local one procspawn starts and shuts down
+            with the last pool or spawn that used it).
 
     ``submit`` returns a ``procspawn.pool.Future``, whose ``kill()`` stops a running call.
     Use it as a context manager (``shutdown(wait=True)`` on leaving; Ctrl-C in the block
@@ -247,6 +262,8 @@ class ProcessPoolExecutor(_cf.Executor):
         task_timeout: float | None = None,
         retries: int = 0,
         max_memory_per_child: int | None = None,
+        backend: str = "process",
+        ray_address: str | None = None,
         _idle_timeout: float | None = None,
         _break_on_death: bool = True,
     ) -> None:
@@ -260,11 +277,33 @@ class ProcessPoolExecutor(_cf.Executor):
             raise TypeError("initializer must be a callable")
         check_max_tasks(max_tasks_per_child)
         check_options(task_timeout, retries, max_memory_per_child)
+        check_backend(
+            backend,
+            ray_address,
+            mp_context=mp_context,
+            max_tasks_per_child=max_tasks_per_child,
+            max_memory_per_child=max_memory_per_child,
+        )
         method = start_method_of(mp_context)
         self._max_workers = max_workers
         self._mp_context = multiprocessing.get_context(method)  # what the stdlib's keeps
         self._shutdown_lock = threading.Lock()
         self._shutdown = False
+        if backend == "ray":
+            from ._ray_dispatcher import RayDispatcher
+
+            self._dispatcher: Dispatching = RayDispatcher(
+                max_workers,
+                initializer=initializer,
+                initargs=initargs,
+                executor_rules=True,
+                task_timeout=task_timeout,
+                retries=retries,
+                ray_address=ray_address,
+                name="executor",
+            )
+            weakref.finalize(self, self._dispatcher.request, self._dispatcher.close)
+            return
         self._dispatcher = Dispatcher(
             max_workers,
             start_method=method,
@@ -536,7 +575,7 @@ def _results(
     end_time: float | None,
     progress: Progress | None = None,
     stop: Callable[[], None] | None = None,
-    dispatcher: Dispatcher | None = None,
+    dispatcher: Dispatching | None = None,
     more: Callable[[], list[_cf.Future[Any]]] | None = None,
 ) -> Iterator[_T]:
     """map's values in order; nothing of a value is held once it was yielded. Ctrl-C

@@ -57,6 +57,24 @@ def _no_exit_hook(*args: Any, **kwargs: Any) -> None:
     pass
 
 
+def check_backend(backend: Any, ray_address: Any, **local_only: Any) -> None:
+    """Refuse an unknown backend, and options that do not apply to it, in the caller;
+    ``local_only``: the options that apply on this machine only, as given."""
+    if backend not in ("process", "ray"):
+        raise ValueError(f"unknown backend {backend!r}; use 'process' (default) or 'ray'")
+    if backend != "ray":
+        if ray_address is not None:
+            raise ValueError("ray_address applies to backend='ray' only")
+        return
+    given = sorted(name for name, value in local_only.items() if value is not None)
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} do(es) not apply to backend='ray': Ray starts and replaces "
+            f"the processes that run the tasks (a Ray worker runs many tasks; one that dies "
+            f"is replaced, and with retries= its task runs again)"
+        )
+
+
 def check_options(task_timeout: Any, retries: Any, max_memory_per_child: Any) -> None:
     """Refuse bad values of the options procspawn's pools add, in the caller."""
     if task_timeout is not None and (

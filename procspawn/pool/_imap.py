@@ -18,12 +18,13 @@ from ..context._errors import ctrl_c, ctrl_c_in_caller
 from ..context._progress import TICK, Progress
 from ..sharing._errors import descriptors_used_past, raise_fd_limit
 from . import _worker
-from ._dispatcher import Dispatcher
 from ._tasks import Job, Task
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
     from typing import Any, Generic, TypeVar
+
+    from ._tasks import Dispatching
 else:
     from .._generic import Generic, TypeVar
 
@@ -55,7 +56,7 @@ class IMapIterator(Generic[_T]):
         dispatcher: the pool's dispatcher.
     """
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatching) -> None:
         self._dispatcher = dispatcher
         self._pool: object = None  # the Pool that made it (see ApplyResult)
         self._pool_joining: Callable[[], bool] = bool  # whether it waits in join()
@@ -251,7 +252,7 @@ class IMapUnorderedIterator(IMapIterator[_T]):
         dispatcher: the pool's dispatcher.
     """
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatching) -> None:
         super().__init__(dispatcher)
         self._arrived: collections.deque[tuple[bool, Any]] = collections.deque()
 
@@ -307,7 +308,7 @@ def _results_room(chunksize: int, ahead: int) -> int:
 
 
 def _feed(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatching,
     job: _IMapJob,
     source: Iterator[Any],
     chunksize: int,
@@ -375,7 +376,7 @@ def _wants_input(iterator: weakref.ref[IMapIterator[Any]]) -> bool:
 
 
 def _submit(
-    dispatcher: Dispatcher,
+    dispatcher: Dispatching,
     iterator: weakref.ref[IMapIterator[Any]],
     tasks: list[Task],
     sent: int,

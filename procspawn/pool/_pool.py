@@ -26,7 +26,7 @@ from ..context._progress import Progress, as_progress
 from ..context.launch._start_method import start_method_of
 from . import _worker
 from ._dispatcher import Dispatcher
-from ._failures import check_options
+from ._failures import check_backend, check_options
 from ._imap import (
     _FEED_AHEAD,
     _SEQUENCE_AHEAD,
@@ -43,6 +43,8 @@ from ._tasks import Task
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
     from typing import Any, NoReturn, TypeVar
+
+    from ._tasks import Dispatching
 else:
     from .._generic import TypeVar
 
@@ -72,6 +74,11 @@ class Pool:
             with the last death's ``ProcessExitedException``. Default 0.
         max_memory_per_child: bytes; a worker whose resident memory is above it after a
             task is replaced before its next one. None: no limit.
+        backend: ``"process"`` (workers on this machine) or ``"ray"``: each task a Ray
+            task on a Ray cluster, at most ``processes`` at once, as described for
+            ``procspawn.ProcessPoolExecutor``. ``context``, ``maxtasksperchild`` and
+            ``max_memory_per_child`` do not apply.
+        ray_address: the Ray cluster, as for ``procspawn.ProcessPoolExecutor``.
 
     A worker that dies while it runs a task fails that task (``get()`` or the
     ``map``/``imap`` containing it raises ``procspawn.ProcessExitedException``, naming
@@ -119,6 +126,8 @@ class Pool:
         task_timeout: float | None = None,
         retries: int = 0,
         max_memory_per_child: int | None = None,
+        backend: str = "process",
+        ray_address: str | None = None,
     ) -> None:
         self._state = "INIT"
         self._joining = False  # join() waits: imap's results no longer wait for room
@@ -136,7 +145,29 @@ class Pool:
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         check_options(task_timeout, retries, max_memory_per_child)
+        check_backend(
+            backend,
+            ray_address,
+            context=context,
+            maxtasksperchild=maxtasksperchild,
+            max_memory_per_child=max_memory_per_child,
+        )
         self._processes = processes
+        self._dispatcher: Dispatching
+        if backend == "ray":
+            from ._ray_dispatcher import RayDispatcher
+
+            self._dispatcher = RayDispatcher(
+                processes,
+                initializer=initializer,
+                initargs=initargs,
+                task_timeout=task_timeout,
+                retries=retries,
+                ray_address=ray_address,
+                name="pool",
+            )
+            self._state = "RUN"
+            return
         self._dispatcher = Dispatcher(
             processes,
             start_method=start_method_of(context),

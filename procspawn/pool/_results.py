@@ -10,12 +10,13 @@ from multiprocessing import TimeoutError as _MpTimeoutError
 
 from ..context._errors import ctrl_c_in_caller
 from ..context._progress import Progress, wait_showing
-from ._dispatcher import Dispatcher
 from ._tasks import Job, Task
 
 TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
 if TYPE_CHECKING:
     from typing import Any, Generic, TypeVar
+
+    from ._tasks import Dispatching
 else:
     from .._generic import Generic, TypeVar
 
@@ -37,7 +38,7 @@ class ApplyResult(Generic[_T]):
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        dispatcher: Dispatching,
         callback: Callable[[_T], object] | None,
         error_callback: Callable[[BaseException], object] | None,
     ) -> None:
@@ -195,7 +196,7 @@ class MapResult(_CallResult[list[_T]]):
 
     def __init__(
         self,
-        dispatcher: Dispatcher,
+        dispatcher: Dispatching,
         length: int,
         callback: Callable[[list[_T]], object] | None,
         error_callback: Callable[[BaseException], object] | None,

@@ -1,0 +1,591 @@
+"""The pools on a Ray cluster: the dispatcher's interface, on Ray tasks.
+
+``ProcessPoolExecutor(backend="ray")`` and ``Pool(backend="ray")`` keep their front ends
+(futures, results, imap) and hand their tasks to a ``RayDispatcher`` instead of the
+``Dispatcher``::
+
+    callers ──submit(tasks)──▶ pending deque ──▶ dispatcher thread
+        at most ``processes`` Ray tasks in flight (each 1 CPU), each one procspawn task
+        (a call, or a chunk of a map); ``ray.wait`` on them, settled as each finishes
+        a death (WorkerCrashedError, OutOfMemoryError, NodeDiedError): Ray runs it again
+                 up to ``retries`` times, then the task fails with ProcessExitedException;
+                 the pool goes on (a new Ray worker takes the next task)
+        a raise: the task's own exception, its remote traceback as the cause (the codec
+                 of ``context._raised``: Ray never retries it)
+        task_timeout, Future.kill(): ``ray.cancel(force=True)`` kills its worker
+
+Tasks, not actors: Ray replaces a dead task's worker and re-runs the task, where a dead
+actor of ``ray.util.multiprocessing.Pool`` leaves the pool a worker short for good.
+Functions and arrays of 1 MiB or more in a call's arguments (at its top level) go to the
+object store once per pool, and reach the task read-only (Ray's object store arrays are
+read-only); results come back by value (pickled by the task), writable.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import pickle
+import sys
+import threading
+import time
+import types
+import uuid
+import weakref
+from collections.abc import Callable, Iterable
+
+import cloudpickle
+
+from .. import _log
+from ..context import _raised, _tags
+from ..context._errors import ProcessExitedException
+from ..context._ray import connect, disconnect, import_ray, refuse_shared_arrays
+from . import _worker
+from ._errors import TaskTimeoutError
+from ._failures import broken_errors, remote_error
+from ._tasks import Job, Task, settle
+
+TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool's start)
+if TYPE_CHECKING:
+    from typing import Any
+
+RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
+STORED_BYTES = 1 << 20  # an argument array this big goes to the object store once
+
+
+class _Stored:
+    """An argument put in the object store: the index of its ref among the task's."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> Any:
+        return (_Stored, (self.index,))
+
+
+_initialized: set[str] = set()  # (in a Ray worker) the pools whose initializer ran here
+
+
+def run_task(
+    pool_id: str,
+    path: list[str],
+    init: bytes | None,
+    fn_box: list[Any],
+    form: int,
+    payload: bytes,
+    refs: list[Any],
+    executor: bool,
+) -> tuple[Any, ...]:
+    """One procspawn task in a Ray worker: ``(RESULT, pickled value)`` or ``(RAISED, blob,
+    text)``, ``(INIT_FAILED, blob, text)`` if the pool's initializer raised here.
+
+    The caller's import path comes first (as multiprocessing's spawn does), then what was
+    pickled in the caller is loaded: the function (``fn_box``: its ref, in a list so that
+    Ray leaves it to this function to fetch; or None: it is in the payload), the
+    arguments (their large arrays from the object store, ``refs``), the initializer."""
+    import cloudpickle
+    import ray
+
+    sys.path.extend(p for p in path if p not in sys.path)
+    try:
+        if init is not None and pool_id not in _initialized:
+            initializer, initargs = pickle.loads(init)
+            try:
+                initializer(*initargs)
+            except BaseException as exc:
+                return (_tags.INIT_FAILED, _raised.pack(exc), _raised.traceback_text(exc))
+            _initialized.add(pool_id)
+        fn_in_payload, data = pickle.loads(payload)
+        fn = ray.get(fn_box[0]) if fn_box else fn_in_payload
+
+        def arg(obj: Any) -> Any:
+            return ray.get(refs[obj.index]) if isinstance(obj, _Stored) else obj
+
+        if form == _worker.APPLY:
+            args, kwargs = data
+            value: Any = fn(*[arg(a) for a in args], **{k: arg(v) for k, v in kwargs.items()})
+        elif form == _worker.MAP:
+            value = [fn(arg(item)) for item in data]
+        else:
+            value = [fn(*[arg(a) for a in item]) for item in data]
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt too: the task's error
+        if isinstance(exc, SystemExit) and not executor:
+            raise  # as a Pool's worker: it exits (Ray: a crashed worker)
+        return (_tags.RAISED, _raised.pack(exc), _raised.traceback_text(exc, users_only=True))
+    try:
+        return (_tags.RESULT, cloudpickle.dumps(value))
+    except BaseException as exc:
+        what = f"the result of the task could not be pickled: {type(exc).__name__}: {exc}"
+        error = pickle.PicklingError(what)
+        return (_tags.RAISED, _raised.pack(error), what + "\n")
+
+
+def _deaths(ray: Any) -> tuple[type[BaseException], ...]:
+    """Ray's errors for a task whose worker died (its process, or its node)."""
+    names = ("WorkerCrashedError", "OutOfMemoryError", "NodeDiedError", "LocalRayletDiedError")
+    return tuple(getattr(ray.exceptions, n) for n in names if hasattr(ray.exceptions, n))
+
+
+class _InFlight:
+    __slots__ = ("task", "started", "deadline", "killed")
+
+    def __init__(self, task: Task, started: float, deadline: float | None) -> None:
+        self.task = task
+        self.started = started
+        self.deadline = deadline
+        self.killed = False  # cancelled by us (a timeout, a kill): its outcome is settled
+
+
+class RayDispatcher:
+    """The ``Dispatcher``'s interface, run on Ray tasks (see the module's docstring).
+
+    Args:
+        processes: Ray tasks in flight at most (each asks for 1 CPU).
+        initializer, initargs: run once in each Ray worker process before its first task
+            of this pool; if it raises, the pool breaks (InitializerError).
+        executor_rules: ``concurrent.futures``' rules (a ``sys.exit()`` in a task is its
+            error); otherwise ``multiprocessing.Pool``'s (it ends the worker: a death).
+        task_timeout: seconds a task may run once handed to Ray; then it is cancelled
+            (``ray.cancel(force=True)``: its worker is killed) and fails with
+            TaskTimeoutError.
+        retries: Ray's ``max_retries``: a task whose worker died runs again up to this
+            many times (it may then run more than once); a raise is never retried.
+        ray_address: the cluster (default: ``RAY_ADDRESS``, else the one this process
+            is connected to, else a local one of procspawn's own, shut down with the
+            last pool or spawn that used it).
+    """
+
+    def __init__(
+        self,
+        processes: int,
+        *,
+        initializer: Callable[..., Any] | None = None,
+        initargs: Iterable[Any] = (),
+        executor_rules: bool = False,
+        task_timeout: float | None = None,
+        retries: int = 0,
+        ray_address: str | None = None,
+        name: str = "pool",
+    ) -> None:
+        self._ray = ray = import_ray(f"backend='ray' ({name})")
+        self._own_cluster = connect(ray, ray_address, processes)
+        self.size = processes
+        self.executor_rules = executor_rules
+        self.task_timeout = task_timeout
+        self.retries = retries
+        self.name = name
+        self.state = RUNNING
+        self.broken: BaseException | None = None
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._pending: collections.deque[Task] = collections.deque()
+        self._in_flight: dict[Any, _InFlight] = {}
+        self._requests: collections.deque[Callable[[], None]] = collections.deque()
+        self._done: collections.deque[tuple[Any, Any]] = collections.deque()  # (ref, future)
+        self._submitting = 0
+        self._pool_id = uuid.uuid4().hex
+        self._path = list(sys.path)
+        # pickled here: one that cannot be is refused in the caller
+        self._init = (
+            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
+        )
+        self._remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=False)(run_task)
+        # what was put in the object store, by id: functions (kept), arrays (while alive)
+        self._functions: dict[int, tuple[Any, Any]] = {}
+        self._arrays: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._stop_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"procspawn-{name}-ray-dispatcher", daemon=True
+        )
+        self._thread.start()
+
+    # -- the callers' side (any thread) ----------------------------------------------------
+
+    def submit(self, tasks: Iterable[Task], accepted: bool = False) -> None:
+        with self._lock:
+            if self.broken is not None:
+                raise self.broken_error()
+            if self.state not in (RUNNING, CLOSING if accepted else RUNNING):
+                raise ValueError("Pool not running")
+            self._pending.extend(tasks)
+        self._wake.set()
+
+    def submitting(self, change: int) -> None:
+        with self._lock:
+            self._submitting += change
+        self._wake.set()
+
+    def broken_error(self) -> BaseException:
+        broken = self.broken
+        assert broken is not None
+        return broken
+
+    def request(self, action: Callable[[], None]) -> None:
+        self._requests.append(action)
+        self._wake.set()
+
+    def abandon(self, job: Job, kill_running: bool = True) -> None:
+        job.abandoned = True
+
+        def act() -> None:
+            self._drop_pending(lambda task: task.job is job)
+            if kill_running:
+                for ref, flight in list(self._in_flight.items()):
+                    if flight.task.job is job:
+                        self._cancel(ref)
+
+        self.request(act)
+
+    def kill(self, which: Callable[[Task], bool], error: BaseException) -> None:
+        def act() -> None:
+            for ref, flight in list(self._in_flight.items()):
+                if which(flight.task) and not flight.task.settled:
+                    self._cancel(ref)
+                    settle(flight.task, False, error)
+
+        self.request(act)
+
+    def cancel_pending(self, keep_none: bool = False) -> None:
+        with self._lock:
+            dropped = list(self._pending)
+            self._pending.clear()
+        for task in dropped:
+            task.job.cancel(task)
+        self._wake.set()
+
+    def resize(self, processes: int) -> None:
+        def act() -> None:
+            self.size = processes
+
+        self.request(act)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.state == RUNNING:
+                self.state = CLOSING
+        self._wake.set()
+
+    def terminate(
+        self,
+        grace_period: float | None = None,
+        error: BaseException | None = None,
+        wait: bool = True,
+        ctrl_c_raises: bool = True,
+    ) -> None:
+        """Cancel every task in flight (their Ray workers killed); those not done fail
+        with ``error`` (default: the pool was terminated)."""
+        with self._lock:
+            if self.state in (RUNNING, CLOSING):
+                self.state = STOPPING
+                self._stop_error = error
+        self._wake.set()
+        if wait:
+            self.join()
+
+    def join(self, timeout: float | None = None) -> bool:
+        if threading.current_thread() is self._thread:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def sync(self, timeout: float = 10.0) -> None:
+        pass  # nothing starts ahead of the work on Ray
+
+    def workers(self) -> list[Any]:
+        return []  # Ray's worker processes are not this pool's
+
+    def alive(self) -> bool:
+        return self.state in (RUNNING, CLOSING) and self.broken is None
+
+    def check_owner(self) -> None:
+        if os.getpid() != self._owner:
+            raise RuntimeError(
+                f"this pool belongs to process {self._owner}; process {os.getpid()}, forked "
+                "from it, cannot use it. Make a pool in this process."
+            )
+
+    def check_not_serving(self) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "a callback of this pool cannot wait for the pool's work: it runs in the "
+                "thread that serves the pool, so the wait would never end. Hand the work "
+                "to another thread instead."
+            )
+
+    def terminated_error(self) -> BaseException | None:
+        if self.state == DONE and self._stop_error is not None:
+            return self._stop_error
+        return None
+
+    # -- the dispatcher thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                while self._requests:
+                    self._requests.popleft()()
+                if self.state == STOPPING:
+                    self._stop()
+                    return
+                if self.broken is not None:
+                    return
+                self._hand_out()
+                if self.state == CLOSING and self._all_done():
+                    self.state = DONE
+                    return
+                if not self._done:
+                    self._wake.wait(self._timeout())
+                while self._done:
+                    self._finished(*self._done.popleft())
+                self._on_timers()
+        except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
+            _log.exception("procspawn: a Ray pool dispatcher thread failed")
+            self._break(RuntimeError(f"the pool's dispatcher thread failed: {exc!r}"))
+        finally:
+            self._release()
+
+    def _timeout(self) -> float | None:
+        deadlines = [f.deadline for f in self._in_flight.values() if f.deadline is not None]
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _all_done(self) -> bool:
+        return not self._submitting and not self._pending and not self._in_flight
+
+    def _hand_out(self) -> None:
+        while len(self._in_flight) < self.size:
+            with self._lock:
+                if not self._pending:
+                    return
+                task = self._pending.popleft()
+            if task.settled or not task.job.start(task):
+                continue
+            try:
+                fn_ref = self._function(task.job.fn)
+                data, refs = self._payload(task)
+                payload = cloudpickle.dumps((task.job.fn if fn_ref is None else None, data))
+                ref = self._remote.remote(
+                    self._pool_id,
+                    self._path,
+                    self._init,
+                    [] if fn_ref is None else [fn_ref],
+                    task.form,
+                    payload,
+                    refs,
+                    self.executor_rules,
+                )
+            except BaseException as exc:  # the pickler's error names what failed
+                settle(task, False, exc)
+                continue
+            now = time.monotonic()
+            timeout = self.task_timeout if task.job.timeout is None else task.job.timeout
+            self._in_flight[ref] = _InFlight(task, now, None if timeout is None else now + timeout)
+            ref.future().add_done_callback(functools.partial(self._on_done, ref))
+
+    def _on_done(self, ref: Any, future: Any) -> None:
+        """(Ray's thread) a task in flight finished: the dispatcher thread settles it."""
+        self._done.append((ref, future))
+        self._wake.set()
+
+    def _payload(self, task: Task) -> tuple[Any, list[Any]]:
+        """The task's arguments, each large array as a ``_Stored`` index into the refs
+        returned (put in the object store once while the array lives)."""
+        what = f"backend='ray' ({self.name})"
+        refs: list[Any] = []
+        if task.form == _worker.APPLY:
+            args, kwargs = task.payload
+            refuse_shared_arrays(tuple(args), dict(kwargs), what)
+            stored = [self._store(a, refs) for a in args]
+            return (stored, {k: self._store(v, refs) for k, v in kwargs.items()}), refs
+        items = list(task.payload)
+        refuse_shared_arrays(tuple(items), {}, what)
+        if task.form == _worker.MAP:
+            return [self._store(item, refs) for item in items], refs
+        return [tuple(self._store(a, refs) for a in item) for item in items], refs
+
+    def _function(self, fn: Any) -> Any:
+        """A plain function's ref in the object store, put once (kept as long as the pool
+        lives); None for anything else (a bound method, a partial: made anew for each
+        call), which goes with the arguments."""
+        if not isinstance(fn, types.FunctionType):
+            return None
+        kept = self._functions.get(id(fn))
+        if kept is not None and kept[0] is fn:
+            return kept[1]
+        ref = self._ray.put(fn)
+        self._functions[id(fn)] = (fn, ref)
+        return ref
+
+    def _store(self, obj: Any, refs: list[Any]) -> Any:
+        """An argument: an array of STORED_BYTES or more goes to the object store once
+        while it lives (its entry goes with it) and travels as a ``_Stored`` index into
+        ``refs``; the rest as it is."""
+        numpy = sys.modules.get("numpy")
+        if numpy is None or not isinstance(obj, numpy.ndarray) or obj.nbytes < STORED_BYTES:
+            return obj
+        key = id(obj)
+        kept = self._arrays.get(key)
+        if kept is not None and kept[0]() is obj:
+            ref = kept[1]
+        else:
+            ref = self._ray.put(obj)
+            arrays = self._arrays
+
+            def forget(_: Any) -> None:
+                arrays.pop(key, None)
+
+            arrays[key] = (weakref.ref(obj, forget), ref)
+        refs.append(ref)
+        return _Stored(len(refs) - 1)
+
+    def _finished(self, ref: Any, future: Any) -> None:
+        flight = self._in_flight.pop(ref, None)
+        if flight is None:
+            return
+        task = flight.task
+        ray = self._ray
+        try:
+            outcome = future.result()
+        except ray.exceptions.TaskCancelledError:
+            if not task.settled:
+                settle(task, False, self._stopped_error())
+            return
+        except ray.exceptions.RayError as exc:
+            if flight.killed or task.settled:
+                return
+            if isinstance(exc, _deaths(ray)):
+                settle(task, False, self._death_error(task, exc))
+                return
+            error: BaseException = RuntimeError(
+                f"Ray could not run {task.job.describe(task)}: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            settle(task, False, error)
+            return
+        if task.settled:
+            return
+        tag = outcome[0]
+        if tag == _tags.RESULT:
+            try:
+                value = pickle.loads(outcome[1])
+            except BaseException as exc:
+                error = pickle.UnpicklingError(
+                    f"the result of {task.job.describe(task)} could not be unpickled in "
+                    f"the parent: {type(exc).__name__}: {exc}"
+                )
+                error.__cause__ = exc
+                settle(task, False, error)
+                return
+            settle(task, True, value)
+        elif tag == _tags.RAISED:
+            settle(
+                task,
+                False,
+                remote_error(_raised.unpack(outcome[1]), outcome[2], self.executor_rules),
+            )
+        else:  # INIT_FAILED
+            errors = broken_errors()
+            broken: BaseException = (errors.InitializerError if errors else RuntimeError)(
+                f"the pool's initializer raised in a Ray worker; the pool cannot run "
+                f"tasks. Fix the initializer (or catch the error in it). Its traceback:\n"
+                f"{outcome[2]}"
+            )
+            broken.__cause__ = _raised.unpack(outcome[1])
+            self._pending.appendleft(task)
+            self._break(broken)
+
+    def _death_error(self, task: Task, exc: BaseException) -> ProcessExitedException:
+        first = str(exc).strip().splitlines()
+        cause = type(exc).__name__ + (f": {first[0]}" if first else "")
+        msg = f"the Ray worker running {task.job.describe(task)} died ({cause})"
+        if self.retries:
+            msg += f"; the task ran {self.retries + 1} times (retries={self.retries})"
+        error = ProcessExitedException(msg, -1, -1, -9, None)
+        error.__cause__ = exc
+        return error
+
+    def _on_timers(self) -> None:
+        now = time.monotonic()
+        for ref, flight in list(self._in_flight.items()):
+            if flight.deadline is not None and now >= flight.deadline and not flight.killed:
+                task = flight.task
+                timeout = self.task_timeout if task.job.timeout is None else task.job.timeout
+                self._cancel(ref)
+                settle(
+                    task,
+                    False,
+                    TaskTimeoutError(
+                        f"{task.job.describe(task)} ran longer than the task_timeout of "
+                        f"{timeout:g} s; its Ray task was cancelled (its worker killed)",
+                        timeout,  # type: ignore[arg-type]  # set: the task timed out
+                        -1,
+                    ),
+                )
+
+    def _cancel(self, ref: Any) -> None:
+        flight = self._in_flight.get(ref)
+        if flight is None or flight.killed:
+            return
+        flight.killed = True
+        try:
+            self._ray.cancel(ref, force=True)
+        except Exception:  # done meanwhile: its outcome is dropped
+            pass
+
+    def _stopped_error(self) -> BaseException:
+        return self._stop_error or RuntimeError("the pool was terminated before this task finished")
+
+    def _drop_pending(self, which: Callable[[Task], bool]) -> None:
+        with self._lock:
+            self._pending = collections.deque(t for t in self._pending if not which(t))
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for ref, flight in list(self._in_flight.items()):
+            self._cancel(ref)
+            if not flight.task.settled:
+                settle(flight.task, False, error)
+        with self._lock:
+            pending = list(self._pending)
+            self._pending.clear()
+        for task in pending:
+            if not task.settled:
+                settle(task, False, error)
+
+    def _stop(self) -> None:
+        self._fail_everything(self._stopped_error())
+        self._wait_cancelled()
+        self.state = DONE
+
+    def _break(self, error: BaseException) -> None:
+        with self._lock:
+            if self.broken is None:
+                self.broken = error
+        self._fail_everything(error)
+        self._wait_cancelled()
+        self.state = DONE
+
+    def _wait_cancelled(self, timeout: float = 10.0) -> None:
+        """Until the cancelled tasks are gone from the cluster (their CPUs free)."""
+        refs = list(self._in_flight)
+        self._in_flight.clear()
+        if refs:
+            try:
+                self._ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            except Exception:
+                pass
+
+    def _release(self) -> None:
+        self._functions.clear()
+        self._arrays.clear()
+        if self._own_cluster:
+            self._own_cluster = False
+            disconnect(self._ray)
+
+
+__all__ = ["RayDispatcher", "run_task"]

@@ -432,3 +432,20 @@ def test_ctrl_c_while_waiting_on_a_ray_executor_stops_its_tasks(cluster_idle_aft
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert all(f.done() for f in futures)
+
+
+def _span(seconds):
+    start = time.time()
+    time.sleep(seconds)
+    return start, time.time()
+
+
+@pytest.mark.ray_tasks
+def test_at_most_max_workers_run_at_once_and_a_queued_call_s_timeout_waits_its_turn(
+    cluster_idle_after,
+):
+    # one CPU for the executor, three calls of 0.6 s each, a task_timeout of 1 s: they run
+    # one after another, and the last, queued 1.2 s, is not late
+    with mp.ProcessPoolExecutor(1, backend="ray", task_timeout=1.0) as ex:
+        spans = sorted(f.result(timeout=60) for f in [ex.submit(_span, 0.6) for _ in range(3)])
+    assert all(spans[i][1] <= spans[i + 1][0] + 0.01 for i in range(2)), spans

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import os
 import pickle
 import sys
@@ -37,9 +38,9 @@ from collections.abc import Callable, Iterable
 
 import cloudpickle
 
-from .. import _log
+from .. import _log, _settings
 from ..context import _raised, _tags
-from ..context._errors import ProcessExitedException
+from ..context._errors import ProcessExitedException, RayResourcesError
 from ..context._ray import connect, disconnect, import_ray, refuse_shared_arrays
 from . import _worker
 from ._errors import TaskTimeoutError
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 
 RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
 STORED_BYTES = 1 << 20  # an argument array this big goes to the object store once
+# tasks in flight per CPU of the pool's placement group: the group runs one per CPU, the
+# others wait queued in Ray, which then starts each the moment a CPU is free (the Ray
+# worker leased for the last task runs the next: no round trip between two tiny tasks)
+QUEUED_PER_CPU = 4
 
 
 class _Stored:
@@ -67,6 +72,23 @@ class _Stored:
 
 
 _initialized: set[str] = set()  # (in a Ray worker) the pools whose initializer ran here
+# (in a Ray worker) the functions fetched from the object store, by ref, the last used
+_functions_here: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_FUNCTIONS_KEPT = 16
+
+
+def _function_here(ray: Any, ref: Any) -> Any:
+    """The function under ``ref``, fetched once per Ray worker process."""
+    key = ref.binary()
+    fn = _functions_here.get(key)
+    if fn is None:
+        fn = ray.get(ref)
+        if len(_functions_here) >= _FUNCTIONS_KEPT:
+            _functions_here.popitem(last=False)
+        _functions_here[key] = fn
+    else:
+        _functions_here.move_to_end(key)
+    return fn
 
 
 def run_task(
@@ -99,7 +121,7 @@ def run_task(
                 return (_tags.INIT_FAILED, _raised.pack(exc), _raised.traceback_text(exc))
             _initialized.add(pool_id)
         fn_in_payload, data = pickle.loads(payload)
-        fn = ray.get(fn_box[0]) if fn_box else fn_in_payload
+        fn = _function_here(ray, fn_box[0]) if fn_box else fn_in_payload
 
         def arg(obj: Any) -> Any:
             return ray.get(refs[obj.index]) if isinstance(obj, _Stored) else obj
@@ -123,6 +145,40 @@ def run_task(
         return (_tags.RAISED, _raised.pack(error), what + "\n")
 
 
+def _reserve(ray: Any, cpus: int, name: str) -> Any:
+    """A placement group of ``cpus`` one-CPU bundles, ready; RayResourcesError (naming
+    the numbers) if the cluster has fewer CPUs, or cannot reserve them in time."""
+    from ray.util.placement_group import placement_group
+
+    what = f"backend='ray' ({name})"
+    total = ray.cluster_resources().get("CPU", 0)
+    if total < cpus:
+        raise RayResourcesError(
+            f"{what}: the Ray cluster has {total:g} CPU(s) in all, and the pool asks for "
+            f"{cpus} (one per task it runs at once). Ask for fewer, or add nodes."
+        )
+    group = placement_group([{"CPU": 1}] * cpus, strategy="PACK")
+    wait = float(_settings.get("PROCSPAWN_RAY_READY_TIMEOUT"))
+    ready, _ = ray.wait([group.ready()], timeout=wait)
+    if not ready:
+        _remove(ray, group)
+        raise RayResourcesError(
+            f"{what}: the Ray cluster could not reserve {cpus} CPU(s) within {wait:g} s "
+            f"(available now: {ray.available_resources().get('CPU', 0):g}); other jobs "
+            f"may hold them. Ask for fewer, or wait (PROCSPAWN_RAY_READY_TIMEOUT)."
+        )
+    return group
+
+
+def _remove(ray: Any, group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception:
+        pass  # the cluster is gone already
+
+
 def _deaths(ray: Any) -> tuple[type[BaseException], ...]:
     """Ray's errors for a task whose worker died (its process, or its node)."""
     names = ("WorkerCrashedError", "OutOfMemoryError", "NodeDiedError", "LocalRayletDiedError")
@@ -132,10 +188,10 @@ def _deaths(ray: Any) -> tuple[type[BaseException], ...]:
 class _InFlight:
     __slots__ = ("task", "started", "deadline", "killed")
 
-    def __init__(self, task: Task, started: float, deadline: float | None) -> None:
+    def __init__(self, task: Task) -> None:
         self.task = task
-        self.started = started
-        self.deadline = deadline
+        self.started: float | None = None  # when it was seen to be running (_start_clocks)
+        self.deadline: float | None = None
         self.killed = False  # cancelled by us (a timeout, a kill): its outcome is settled
 
 
@@ -193,7 +249,21 @@ class RayDispatcher:
         self._init = (
             cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
         )
-        self._remote = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=False)(run_task)
+        # the pool's CPUs, reserved at once: at most ``processes`` tasks run, however many
+        # wait queued behind them
+        self._group = _reserve(ray, processes, name)
+        try:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            self._remote = ray.remote(
+                num_cpus=1,
+                max_retries=retries,
+                retry_exceptions=False,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._group),
+            )(run_task)
+        except BaseException:
+            _remove(ray, self._group)
+            raise
         # what was put in the object store, by id: functions (kept), arrays (while alive)
         self._functions: dict[int, tuple[Any, Any]] = {}
         self._arrays: dict[int, tuple[weakref.ref[Any], Any]] = {}
@@ -335,6 +405,7 @@ class RayDispatcher:
                 if self.broken is not None:
                     return
                 self._hand_out()
+                self._start_clocks()
                 if self.state == CLOSING and self._all_done():
                     self.state = DONE
                     return
@@ -359,7 +430,7 @@ class RayDispatcher:
         return not self._submitting and not self._pending and not self._in_flight
 
     def _hand_out(self) -> None:
-        while len(self._in_flight) < self.size:
+        while len(self._in_flight) < self.size * QUEUED_PER_CPU:
             with self._lock:
                 if not self._pending:
                     return
@@ -383,10 +454,20 @@ class RayDispatcher:
             except BaseException as exc:  # the pickler's error names what failed
                 settle(task, False, exc)
                 continue
-            now = time.monotonic()
-            timeout = self.task_timeout if task.job.timeout is None else task.job.timeout
-            self._in_flight[ref] = _InFlight(task, now, None if timeout is None else now + timeout)
+            self._in_flight[ref] = _InFlight(task)
             ref.future().add_done_callback(functools.partial(self._on_done, ref))
+
+    def _start_clocks(self) -> None:
+        """The first ``size`` tasks in flight are the ones running (Ray starts the queued
+        ones in the order they came, as CPUs free): their ``task_timeout`` counts from
+        now, if it does not already."""
+        now = time.monotonic()
+        for flight in itertools.islice(self._in_flight.values(), self.size):
+            if flight.started is None:
+                flight.started = now
+                task = flight.task
+                timeout = self.task_timeout if task.job.timeout is None else task.job.timeout
+                flight.deadline = None if timeout is None else now + timeout
 
     def _on_done(self, ref: Any, future: Any) -> None:
         """(Ray's thread) a task in flight finished: the dispatcher thread settles it."""
@@ -583,6 +664,7 @@ class RayDispatcher:
     def _release(self) -> None:
         self._functions.clear()
         self._arrays.clear()
+        _remove(self._ray, self._group)
         if self._own_cluster:
             self._own_cluster = False
             disconnect(self._ray)

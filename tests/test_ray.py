@@ -449,3 +449,17 @@ def test_at_most_max_workers_run_at_once_and_a_queued_call_s_timeout_waits_its_t
     with mp.ProcessPoolExecutor(1, backend="ray", task_timeout=1.0) as ex:
         spans = sorted(f.result(timeout=60) for f in [ex.submit(_span, 0.6) for _ in range(3)])
     assert all(spans[i][1] <= spans[i + 1][0] + 0.01 for i in range(2)), spans
+
+
+@pytest.mark.ray_tasks
+def test_the_reusable_executor_on_ray_is_reused_until_its_size_changes(cluster_idle_after):
+    first = mp.get_reusable_executor(max_workers=1, backend="ray")
+    try:
+        assert first.submit(_inc, 1).result(timeout=60) == 2
+        assert mp.get_reusable_executor(max_workers=1, backend="ray") is first
+        second = mp.get_reusable_executor(max_workers=2, backend="ray")
+        assert second is not first  # Ray's reservation has its size: a new executor
+        assert list(second.map(_inc, range(4), timeout=60)) == [1, 2, 3, 4]
+    finally:
+        for executor in (first, mp.get_reusable_executor(max_workers=2, backend="ray")):
+            executor.shutdown(wait=True)

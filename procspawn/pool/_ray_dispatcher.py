@@ -328,10 +328,9 @@ class RayDispatcher:
         self._wake.set()
 
     def resize(self, processes: int) -> None:
-        def act() -> None:
-            self.size = processes
-
-        self.request(act)
+        raise RuntimeError(
+            "a pool on Ray keeps the CPUs it reserved: make a new one for another size"
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -47,6 +47,8 @@ def get_reusable_executor(
     retries: int = 0,
     max_memory_per_child: int | None = None,
     kill_workers: bool = False,
+    backend: str = "process",
+    ray_address: str | None = None,
     _break_on_death: bool = True,
 ) -> ProcessPoolExecutor:
     """The program's reusable ``ProcessPoolExecutor``, made or adjusted as asked.
@@ -69,6 +71,10 @@ def get_reusable_executor(
         max_memory_per_child: as for ``ProcessPoolExecutor``.
         kill_workers: with other settings than last time, stop the old executor's
             workers now instead of letting them finish.
+        backend: as for ``ProcessPoolExecutor``: ``"ray"`` runs the calls as Ray tasks
+            (``timeout`` does not apply: Ray keeps its idle workers; a different
+            ``max_workers`` makes a new executor, whose CPUs Ray reserves anew).
+        ray_address: as for ``ProcessPoolExecutor``.
 
     Returns:
         The executor: the one made by an earlier call with the same settings (resized
@@ -109,8 +115,11 @@ def get_reusable_executor(
         mp_context = context
     if reuse not in ("auto", True, False):
         raise ValueError(f"reuse must be 'auto', True or False, got {reuse!r}")
-    idle = None if timeout is None else float(timeout)
+    idle = None if timeout is None or backend == "ray" else float(timeout)
     settings = (
+        backend,
+        ray_address,
+        max_workers if backend == "ray" else None,  # (Ray's reservation has its size)
         start_method_of(mp_context),
         initializer,
         tuple(initargs),
@@ -141,6 +150,8 @@ def get_reusable_executor(
             task_timeout=task_timeout,
             retries=retries,
             max_memory_per_child=max_memory_per_child,
+            backend=backend,
+            ray_address=ray_address,
             _idle_timeout=idle,
             _break_on_death=_break_on_death,
         )

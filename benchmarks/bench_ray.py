@@ -29,7 +29,8 @@ of ``--repeats``:
 * ``1,000 calls``: 1,000 calls of ``x + 1``, each its own (``submit`` / ``apply_async`` /
   ``delayed``), the pool made before the timer;
 * ``map of 1,000``: ``map(inc, range(1000))`` with each pool's default chunking;
-* ``64 MiB argument x 16``: 16 calls given the same 64 MiB array, each returning its sum;
+* ``64 MiB argument x 16``: 16 calls given the same read-only 64 MiB array (procspawn
+  puts a read-only array in the object store once per pool), each returning its sum;
 * ``killed worker``: a call that calls ``os._exit``: the time until its error (or
   ``hangs``, at 30 s), then the time two calls of a 0.5 s sleep take right after it
   (0.5 s: both workers run; more: a worker is being replaced; "stuck": they fail or take
@@ -165,6 +166,7 @@ def pool_rows(repeats: int, nbytes: int) -> dict[str, dict[str, Any]]:
 
     register_ray()
     array = np.ones(nbytes, np.uint8)
+    array.flags.writeable = False
 
     def joblib_ray(calls: Any) -> list[Any]:
         with joblib.parallel_config(backend="ray", n_jobs=2):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import pickle
 import pkgutil
+import sys
 
 import pytest
 
@@ -115,3 +116,34 @@ def test_a_rank_s_error_reads_from_the_user_s_code_under_its_public_name():
     remote = str(exc).split("terminated with the following error:\n", 1)[1]
     assert "in _raise_value_error" in remote and package not in remote
     assert isinstance(exc.__cause__, ValueError)
+
+
+class _NeedsTwo(Exception):
+    def __init__(self, a, b):  # args holds one: pickles, but does not load back
+        super().__init__(f"{a}-{b}")
+
+
+class _ExitsAsItLoads:
+    def __reduce__(self):
+        return (sys.exit, (3,))
+
+
+def test_a_childs_exception_that_does_not_load_back_travels_as_its_text_alone():
+    from procspawn.context import _raised
+
+    try:
+        raise _NeedsTwo(1, 2)
+    except _NeedsTwo as exc:
+        text = _raised.traceback_text(exc, "in the child: ")
+        blob = _raised.pack(exc)
+    assert blob is None  # it would not load in the parent either
+    assert text.startswith("in the child: Traceback") and "_NeedsTwo: 1-2" in text
+    assert _raised.unpack(None) is None
+
+
+def test_unpacking_a_blob_that_exits_as_it_loads_gives_nothing_and_raises_nothing():
+    from procspawn.context import _raised
+
+    assert _raised.unpack(pickle.dumps(_ExitsAsItLoads())) is None
+    error = ValueError("plain")
+    assert repr(_raised.unpack(_raised.pack(error))) == repr(error)

@@ -395,6 +395,10 @@ def test_a_pool_on_ray_maps_and_arrays_go_in_read_only_and_come_back_writable(
         assert pool.apply(_inc, (3,)) == 4
         assert sorted(pool.imap_unordered(_inc, range(5))) == [1, 2, 3, 4, 5]
         assert pool.map(_sum_and_writable, [big, big]) == [(float(1 << 18), False)] * 2
+        big += 1  # a writable array goes anew with each call: the change is seen
+        assert pool.apply(_sum_and_writable, (big,)) == (float(2 << 18), False)
+        big.flags.writeable = False  # a read-only one goes once, for every call
+        assert pool.apply(_sum_and_writable, (big,)) == (float(2 << 18), False)
         result = pool.apply(_ones, (10,))
         result[0] = 5.0  # a result is the caller's own, writable
         with pytest.raises(ValueError, match="bad item 2"):

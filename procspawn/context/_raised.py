@@ -71,12 +71,12 @@ def _by_procspawn(exc: BaseException, receiver_has: Any) -> bytes | None:
         return None
     with _main_names.sending_to(receiver_has):
         message = _pickler.dumps(exc)
-    try:
-        if message.fds or message.on_abandon:
-            return None
-        return bytes(message.data)
-    finally:
-        message.close()
+    if message.fds or message.on_abandon:
+        message.abandon()  # never sent: what it counted for a receiver goes back
+        return None
+    blob = bytes(message.data)
+    message.close()
+    return blob
 
 
 def _by_cloudpickle(exc: BaseException, receiver_has: Any) -> bytes:
@@ -97,7 +97,7 @@ def unpack(blob: bytes | None) -> BaseException | None:
         return None
     try:
         exc = pickle.loads(blob)
-    except Exception:
+    except BaseException:  # (a SystemExit from a __setstate__ too: not the caller's)
         return None
     return exc if isinstance(exc, BaseException) else None
 

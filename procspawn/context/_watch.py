@@ -416,17 +416,19 @@ class WatchedChild:
         FdLimitError (this process at its descriptor limit: a message read whole, its
         descriptors dropped) goes to the caller, and reading may go on after it."""
         reader = self.reader
-        try:
-            while True:
-                if reader.feed() and on_message(*reader.pop()):
-                    return
-        except (BlockingIOError, InterruptedError):
-            return
-        except FdLimitError:
-            raise
-        except (ChannelClosed, OSError):
-            reader.eof = True
-            self.watcher.remove(self.sock.fileno())
+        while True:
+            try:
+                whole = reader.feed()
+            except (BlockingIOError, InterruptedError):
+                return
+            except FdLimitError:
+                raise
+            except (ChannelClosed, OSError):
+                reader.eof = True
+                self.watcher.remove(self.sock.fileno())
+                return
+            if whole and on_message(*reader.pop()):
+                return
 
     def want_write(self, write: bool) -> None:
         """Watch its channel for room to write too (a send is pending), or not."""

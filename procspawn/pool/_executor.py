@@ -218,8 +218,9 @@ class ProcessPoolExecutor(_cf.Executor):
             call may then run more than once), ``task_timeout`` and ``Future.kill()``
             cancel the task (``ray.cancel(force=True)``: its Ray worker is killed), a
             dead Ray worker is ``ProcessExitedException`` naming Ray's cause and never
-            breaks the executor. Arrays of 1 MiB or more among a call's arguments go to
-            Ray's object store once and reach the task read-only; results come back
+            breaks the executor. Arrays of 1 MiB or more among a call's arguments go
+            through Ray's object store (a read-only one once per executor, a writable
+            one once per call) and reach the task read-only; results come back
             writable. ``mp_context``, ``max_tasks_per_child`` and
             ``max_memory_per_child`` do not apply. Needs ``pip install 'procspawn[ray]'``.
         ray_address: the Ray cluster (default: ``RAY_ADDRESS``, else the one this

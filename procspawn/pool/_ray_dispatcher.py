@@ -16,14 +16,16 @@
 
 Tasks, not actors: Ray replaces a dead task's worker and re-runs the task, where a dead
 actor of ``ray.util.multiprocessing.Pool`` leaves the pool a worker short for good.
-Functions and arrays of 1 MiB or more in a call's arguments (at its top level) go to the
-object store once per pool, and reach the task read-only (Ray's object store arrays are
-read-only); results come back by value (pickled by the task), writable.
+Functions go to the object store once per pool, and arrays of 1 MiB or more in a call's
+arguments (at its top level) through it: a read-only one once per pool, a writable one
+once per call. They reach the task read-only (Ray's object store arrays are); results
+come back by value (pickled by the task), writable.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import itertools
 import os
@@ -57,6 +59,7 @@ STORED_BYTES = 1 << 20  # an argument array this big goes to the object store on
 # others wait queued in Ray, which then starts each the moment a CPU is free (the Ray
 # worker leased for the last task runs the next: no round trip between two tiny tasks)
 QUEUED_PER_CPU = 4
+_FUNCTIONS_KEPT = 16  # functions in the object store per pool (and per Ray worker)
 
 
 class _Stored:
@@ -74,7 +77,6 @@ class _Stored:
 _initialized: set[str] = set()  # (in a Ray worker) the pools whose initializer ran here
 # (in a Ray worker) the functions fetched from the object store, by ref, the last used
 _functions_here: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-_FUNCTIONS_KEPT = 16
 
 
 def _function_here(ray: Any, ref: Any) -> Any:
@@ -226,8 +228,36 @@ class RayDispatcher:
         ray_address: str | None = None,
         name: str = "pool",
     ) -> None:
+        # what was put in the object store: functions (the last used, weakly), read-only
+        # arrays (while they live), by id
+        self._functions: collections.OrderedDict[int, tuple[weakref.ref[Any], Any]] = (
+            collections.OrderedDict()
+        )
+        self._arrays: dict[int, tuple[weakref.ref[Any], Any]] = {}
+        self._own_cluster = False
         self._ray = ray = import_ray(f"backend='ray' ({name})")
+        # pickled here: one that cannot be is refused in the caller, before anything starts
+        self._init = (
+            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
+        )
         self._own_cluster = connect(ray, ray_address, processes)
+        self._group: Any = None
+        try:
+            # the pool's CPUs, reserved at once: at most ``processes`` tasks run, however
+            # many wait queued behind them
+            self._group = _reserve(ray, processes, name)
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self._group)
+            self._remote = ray.remote(
+                num_cpus=1,
+                max_retries=retries,
+                retry_exceptions=False,
+                scheduling_strategy=strategy,
+            )(run_task)
+        except BaseException:  # (Ctrl-C while the cluster reserves the CPUs too)
+            self._release()
+            raise
         self.size = processes
         self.executor_rules = executor_rules
         self.task_timeout = task_timeout
@@ -245,29 +275,8 @@ class RayDispatcher:
         self._submitting = 0
         self._pool_id = uuid.uuid4().hex
         self._path = list(sys.path)
-        # pickled here: one that cannot be is refused in the caller
-        self._init = (
-            cloudpickle.dumps((initializer, tuple(initargs))) if initializer is not None else None
-        )
-        # the pool's CPUs, reserved at once: at most ``processes`` tasks run, however many
-        # wait queued behind them
-        self._group = _reserve(ray, processes, name)
-        try:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            self._remote = ray.remote(
-                num_cpus=1,
-                max_retries=retries,
-                retry_exceptions=False,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self._group),
-            )(run_task)
-        except BaseException:
-            _remove(ray, self._group)
-            raise
-        # what was put in the object store, by id: functions (kept), arrays (while alive)
-        self._functions: dict[int, tuple[Any, Any]] = {}
-        self._arrays: dict[int, tuple[weakref.ref[Any], Any]] = {}
         self._stop_error: BaseException | None = None
+        self._terminated = False
         self._thread = threading.Thread(
             target=self._run, name=f"procspawn-{name}-ray-dispatcher", daemon=True
         )
@@ -277,6 +286,8 @@ class RayDispatcher:
 
     def submit(self, tasks: Iterable[Task], accepted: bool = False) -> None:
         with self._lock:
+            if accepted and self.state in (STOPPING, DONE) and self.broken is None:
+                raise self._stopped_error()  # what the job's other unfinished tasks get
             if self.broken is not None:
                 raise self.broken_error()
             if self.state not in (RUNNING, CLOSING if accepted else RUNNING):
@@ -290,9 +301,13 @@ class RayDispatcher:
         self._wake.set()
 
     def broken_error(self) -> BaseException:
+        """A fresh copy of the error that broke the pool (one object raised again and
+        again would chain its tracebacks)."""
         broken = self.broken
         assert broken is not None
-        return broken
+        error = copy.copy(broken)
+        error.__cause__ = broken.__cause__
+        return error
 
     def request(self, action: Callable[[], None]) -> None:
         self._requests.append(action)
@@ -350,6 +365,7 @@ class RayDispatcher:
         with self._lock:
             if self.state in (RUNNING, CLOSING):
                 self.state = STOPPING
+                self._terminated = True
                 self._stop_error = error
         self._wake.set()
         if wait:
@@ -386,8 +402,8 @@ class RayDispatcher:
             )
 
     def terminated_error(self) -> BaseException | None:
-        if self.state == DONE and self._stop_error is not None:
-            return self._stop_error
+        if self.state == DONE and self._terminated:
+            return self._stopped_error()
         return None
 
     # -- the dispatcher thread --------------------------------------------------------------
@@ -396,6 +412,8 @@ class RayDispatcher:
         try:
             while True:
                 self._wake.clear()
+                while self._done:  # first: a kill or a stop after a result does not undo it
+                    self._finished(*self._done.popleft())
                 while self._requests:
                     self._requests.popleft()()
                 if self.state == STOPPING:
@@ -490,37 +508,46 @@ class RayDispatcher:
         return [tuple(self._store(a, refs) for a in item) for item in items], refs
 
     def _function(self, fn: Any) -> Any:
-        """A plain function's ref in the object store, put once (kept as long as the pool
-        lives); None for anything else (a bound method, a partial: made anew for each
-        call), which goes with the arguments."""
+        """A plain function's ref in the object store, put once while it lives (among the
+        last FUNCTIONS_KEPT used); None for anything else (a bound method, a partial: made
+        anew for each call), which goes with the arguments."""
         if not isinstance(fn, types.FunctionType):
             return None
-        kept = self._functions.get(id(fn))
-        if kept is not None and kept[0] is fn:
+        key = id(fn)
+        kept = self._functions.get(key)
+        if kept is not None and kept[0]() is fn:
+            self._functions.move_to_end(key)
             return kept[1]
         ref = self._ray.put(fn)
-        self._functions[id(fn)] = (fn, ref)
+        self._functions[key] = (weakref.ref(fn), ref)
+        self._functions.move_to_end(key)
+        if len(self._functions) > _FUNCTIONS_KEPT:
+            self._functions.popitem(last=False)
         return ref
 
     def _store(self, obj: Any, refs: list[Any]) -> Any:
-        """An argument: an array of STORED_BYTES or more goes to the object store once
-        while it lives (its entry goes with it) and travels as a ``_Stored`` index into
-        ``refs``; the rest as it is."""
+        """An argument: an array of STORED_BYTES or more goes to the object store and
+        travels as a ``_Stored`` index into ``refs``; the rest as it is. A read-only
+        array is put once while it lives (its entry goes with it), for every call; a
+        writable one once per call (the caller may change it between calls)."""
         numpy = sys.modules.get("numpy")
         if numpy is None or not isinstance(obj, numpy.ndarray) or obj.nbytes < STORED_BYTES:
             return obj
         key = id(obj)
+        array: Any = obj
+        read_only = not array.flags.writeable
         kept = self._arrays.get(key)
-        if kept is not None and kept[0]() is obj:
+        if kept is not None and kept[0]() is obj and read_only:
             ref = kept[1]
         else:
             ref = self._ray.put(obj)
-            arrays = self._arrays
+            if read_only:
+                arrays = self._arrays
 
-            def forget(_: Any) -> None:
-                arrays.pop(key, None)
+                def forget(_: Any) -> None:
+                    arrays.pop(key, None)
 
-            arrays[key] = (weakref.ref(obj, forget), ref)
+                arrays[key] = (weakref.ref(obj, forget), ref)
         refs.append(ref)
         return _Stored(len(refs) - 1)
 
@@ -613,6 +640,7 @@ class RayDispatcher:
         if flight is None or flight.killed:
             return
         flight.killed = True
+        flight.deadline = None
         try:
             self._ray.cancel(ref, force=True)
         except Exception:  # done meanwhile: its outcome is dropped
@@ -663,7 +691,9 @@ class RayDispatcher:
     def _release(self) -> None:
         self._functions.clear()
         self._arrays.clear()
-        _remove(self._ray, self._group)
+        if self._group is not None:
+            group, self._group = self._group, None
+            _remove(self._ray, group)
         if self._own_cluster:
             self._own_cluster = False
             disconnect(self._ray)

@@ -155,12 +155,29 @@ def leak_check(request):
     assert not problems, "; ".join(problems)
 
 
+# the parameters that name the start method a test's processes use
+_START_METHOD_PARAMS = ("start_method", "method")
+
+
+@pytest.hookimpl(tryfirst=True)  # (before the -m option deselects by marker)
 def pytest_collection_modifyitems(session, config, items):
     """The Ray tests run last. Ray's driver keeps native threads in this process after
     ``ray.shutdown()``, which open and close descriptors now and then: in a later test a
     descriptor number freed meanwhile (say by ``sharing.trim()``) would be taken by one
-    of them and reported as that test's leak."""
+    of them and reported as that test's leak.
+
+    The spawn cells of the tests repeated under every start method are marked ``slow``
+    (out of README's run, in ``.ci/run``'s second one): a spawn child starts as a
+    forkserver child does, a fresh interpreter that imports the main module (the server
+    forks it), and forkserver, procspawn's default, runs in the default run (~25 s)."""
     items.sort(key=lambda item: item.module.__name__ == "test_ray")
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        names = _START_METHOD_PARAMS + (
+            ("pool",) if item.module.__name__ == "test_pool_deaths" else ()
+        )
+        if any(params.get(name) == "spawn" for name in names):
+            item.add_marker(pytest.mark.slow)
     # test_sharing's start method x strategy cells: under spawn (a fresh interpreter, the
     # parent's settings carried over) only file_system's, which needs the settings and the
     # cleanup daemon carried over; file_descriptor is the default, and its spawn path is

@@ -467,3 +467,31 @@ def test_the_reusable_executor_on_ray_is_reused_until_its_size_changes(cluster_i
     finally:
         for executor in (first, mp.get_reusable_executor(max_workers=2, backend="ray")):
             executor.shutdown(wait=True)
+
+
+@pytest.mark.slow  # a local cluster of its own (5 s)
+def test_a_ray_executor_s_calls_are_waited_for_as_the_program_ends(tmp_path):
+    out = tmp_path / "done"
+    code = textwrap.dedent(
+        f"""
+        import time
+        import procspawn
+
+        def slow(x):
+            time.sleep(1.0)
+            with open({str(out)!r}, "a") as f:
+                f.write(f"{{x}}\\n")
+            return x
+
+        if __name__ == "__main__":
+            ex = procspawn.ProcessPoolExecutor(2, backend="ray")
+            futures = [ex.submit(slow, i) for i in range(2)]
+        """
+    )
+    env = dict(script_env())
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(out.read_text().split()) == ["0", "1"]  # as the stdlib's executor does

@@ -24,6 +24,7 @@ come back by value (pickled by the task), writable.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import copy
 import functools
@@ -42,7 +43,7 @@ import cloudpickle
 
 from .. import _log, _settings
 from ..context import _raised, _tags
-from ..context._errors import ProcessExitedException, RayResourcesError
+from ..context._errors import ProcessExitedException, RayResourcesError, ctrl_c
 from ..context._ray import connect, disconnect, import_ray, refuse_shared_arrays
 from . import _worker
 from ._errors import TaskTimeoutError
@@ -281,6 +282,8 @@ class RayDispatcher:
             target=self._run, name=f"procspawn-{name}-ray-dispatcher", daemon=True
         )
         self._thread.start()
+        _at_exit_registered()
+        _live.add(self)
 
     # -- the callers' side (any thread) ----------------------------------------------------
 
@@ -697,6 +700,41 @@ class RayDispatcher:
         if self._own_cluster:
             self._own_cluster = False
             disconnect(self._ray)
+
+
+_live: weakref.WeakSet[RayDispatcher] = weakref.WeakSet()
+_registered = False
+
+
+def _at_exit_registered() -> None:
+    """Registered once, after Ray was imported (and its own exit function, which shuts
+    Ray down, with it): atexit runs the last registered first, so this one runs while
+    Ray still serves."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    """As the program ends: an executor's calls are waited for (as the stdlib's), unless
+    it ends on Ctrl-C; a Pool's are cancelled."""
+    interrupted = ctrl_c(getattr(sys, "last_value", None))
+    pools = [d for d in list(_live) if d._owner == os.getpid()]
+    try:
+        for pool in pools:
+            if pool.executor_rules and not interrupted and pool.alive():
+                pool.close()
+                pool.join()
+            else:
+                pool.terminate(ctrl_c_raises=False)
+    except KeyboardInterrupt:
+        sys.stderr.write(
+            "KeyboardInterrupt: the program stopped waiting, as it ended, for the work of "
+            "a ProcessPoolExecutor on Ray; its calls were cancelled\n"
+        )
+        for pool in pools:
+            pool.terminate(ctrl_c_raises=False)
 
 
 __all__ = ["RayDispatcher", "run_task"]

@@ -5,8 +5,10 @@
 ``Dispatcher``::
 
     callers ──submit(tasks)──▶ pending deque ──▶ dispatcher thread
-        at most ``processes`` Ray tasks in flight (each 1 CPU), each one procspawn task
-        (a call, or a chunk of a map); ``ray.wait`` on them, settled as each finishes
+        each procspawn task (a call, or a chunk of a map) a Ray task of 1 CPU in the
+        pool's placement group (``processes`` CPUs, reserved at once): at most
+        ``processes`` run, QUEUED_PER_CPU times as many are in flight; each settled as
+        its future's callback (Ray's thread) hands it over, nothing polls
         a death (WorkerCrashedError, OutOfMemoryError, NodeDiedError): Ray runs it again
                  up to ``retries`` times, then the task fails with ProcessExitedException;
                  the pool goes on (a new Ray worker takes the next task)
@@ -109,7 +111,7 @@ def run_task(
 
     The caller's import path comes first (as multiprocessing's spawn does), then what was
     pickled in the caller is loaded: the function (``fn_box``: its ref, in a list so that
-    Ray leaves it to this function to fetch; or None: it is in the payload), the
+    Ray leaves it to this function to fetch; empty: it is in the payload), the
     arguments (their large arrays from the object store, ``refs``), the initializer."""
     import cloudpickle
     import ray
@@ -162,7 +164,11 @@ def _reserve(ray: Any, cpus: int, name: str) -> Any:
         )
     group = placement_group([{"CPU": 1}] * cpus, strategy="PACK")
     wait = float(_settings.get("PROCSPAWN_RAY_READY_TIMEOUT"))
-    ready, _ = ray.wait([group.ready()], timeout=wait)
+    try:
+        ready, _ = ray.wait([group.ready()], timeout=wait)
+    except BaseException:  # Ctrl-C while the cluster reserves them
+        _remove(ray, group)
+        raise
     if not ready:
         _remove(ray, group)
         raise RayResourcesError(
@@ -202,14 +208,15 @@ class RayDispatcher:
     """The ``Dispatcher``'s interface, run on Ray tasks (see the module's docstring).
 
     Args:
-        processes: Ray tasks in flight at most (each asks for 1 CPU).
+        processes: Ray tasks running at most: the CPUs of the pool's placement group,
+            reserved at once (RayResourcesError if the cluster cannot).
         initializer, initargs: run once in each Ray worker process before its first task
             of this pool; if it raises, the pool breaks (InitializerError).
         executor_rules: ``concurrent.futures``' rules (a ``sys.exit()`` in a task is its
             error); otherwise ``multiprocessing.Pool``'s (it ends the worker: a death).
-        task_timeout: seconds a task may run once handed to Ray; then it is cancelled
-            (``ray.cancel(force=True)``: its worker is killed) and fails with
-            TaskTimeoutError.
+        task_timeout: seconds a task may run from its turn (when it is among the first
+            ``processes`` in flight); then it is cancelled (``ray.cancel(force=True)``:
+            its worker is killed) and fails with TaskTimeoutError.
         retries: Ray's ``max_retries``: a task whose worker died runs again up to this
             many times (it may then run more than once); a raise is never retried.
         ray_address: the cluster (default: ``RAY_ADDRESS``, else the one this process

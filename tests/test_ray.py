@@ -495,3 +495,32 @@ def test_a_ray_executor_s_calls_are_waited_for_as_the_program_ends(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert sorted(out.read_text().split()) == ["0", "1"]  # as the stdlib's executor does
+
+
+_SETTING = None
+
+
+def _set_setting(value):
+    global _SETTING
+    _SETTING = value
+
+
+def _read_setting(_):
+    return _SETTING
+
+
+def _refuse_to_start():
+    raise RuntimeError("no config file")
+
+
+@pytest.mark.ray_tasks
+def test_an_initializer_runs_in_each_ray_worker_and_one_that_raises_breaks_the_pool(
+    cluster_idle_after,
+):
+    with mp.ProcessPoolExecutor(1, backend="ray", initializer=_set_setting, initargs=(7,)) as ex:
+        assert ex.submit(_read_setting, 0).result(timeout=60) == 7
+    with mp.ProcessPoolExecutor(1, backend="ray", initializer=_refuse_to_start) as ex:
+        with pytest.raises(mp.InitializerError, match="initializer raised in a Ray worker"):
+            ex.submit(_inc, 1).result(timeout=60)
+        with pytest.raises(mp.InitializerError):
+            ex.submit(_inc, 2)  # broken: refused at once

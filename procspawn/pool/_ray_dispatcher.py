@@ -585,6 +585,10 @@ class RayDispatcher:
             error.__cause__ = exc
             settle(task, False, error)
             return
+        except BaseException as exc:  # (not Ray's: its future was cancelled, say)
+            if not task.settled:
+                settle(task, False, exc)
+            return
         if task.settled:
             return
         tag = outcome[0]
@@ -614,7 +618,8 @@ class RayDispatcher:
                 f"{outcome[2]}"
             )
             broken.__cause__ = _raised.unpack(outcome[1])
-            self._pending.appendleft(task)
+            with self._lock:
+                self._pending.appendleft(task)
             self._break(broken)
 
     def _death_error(self, task: Task, exc: BaseException) -> ProcessExitedException:

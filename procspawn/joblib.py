@@ -27,6 +27,12 @@ What changes against joblib's default (loky):
   ``start_method`` and ``idle_worker_timeout`` (loky's: seconds before an idle worker
   exits, default 300).
 
+On a Ray cluster: ``procspawn.joblib.register("procspawn_ray", backend="ray")``, then
+``parallel_config(backend="procspawn_ray", n_jobs=8)``: each batch of calls a Ray task of
+``ProcessPoolExecutor(backend="ray")`` (arrays by value in the batch, read-only where they
+arrive; ``task_timeout`` and ``retries`` as on one machine; ``ray_address`` picks the
+cluster; ``start_method``, ``max_tasks_per_child``, ``max_memory_per_child`` do not apply).
+
 joblib is imported here only: ``import procspawn`` never imports this module.
 """
 
@@ -52,7 +58,7 @@ from joblib.parallel import (
 
 from ._late import renew_lock_in_child
 from .context.launch._start_method import start_method_of
-from .pool._failures import check_max_tasks, check_options, check_seconds
+from .pool._failures import check_backend, check_max_tasks, check_options, check_seconds
 from .pool._reusable import current_reusable_executor, get_reusable_executor
 from .sharing.wire._swap import Swapped
 
@@ -73,6 +79,7 @@ _OPTIONS = {
     "max_memory_per_child": None,
     "start_method": None,
     "idle_worker_timeout": 300,
+    "ray_address": None,  # (a backend registered with backend="ray")
 }
 # what Parallel passes to every backend, which this one has no use for (no temporary
 # folder; the start method is procspawn's, or the start_method option)
@@ -80,14 +87,18 @@ _IGNORED = ("temp_folder", "context", "verbose", "prefer", "require")
 _MMAP_MODES = (None, "r", "r+", "w+", "c")
 
 
-def register(name: str = NAME, make_default: bool = False) -> None:
+def register(name: str = NAME, make_default: bool = False, backend: str = "process") -> None:
     """Make the backend known to joblib as ``name`` (``"procspawn"``).
 
     Then ``joblib.parallel_config(backend="procspawn", ...)`` selects it, for
     ``joblib.Parallel`` and for every library that calls it (scikit-learn's ``n_jobs=``).
     ``make_default=True`` makes it joblib's default backend instead of loky.
+    ``backend="ray"``: its calls run on a Ray cluster (see the module's docstring); give it
+    a name of its own (``register("procspawn_ray", backend="ray")``).
     """
-    joblib.register_parallel_backend(name, ProcspawnBackend, make_default=make_default)
+    check_backend(backend, None)
+    factory = functools.partial(ProcspawnBackend, pool_backend=backend)
+    joblib.register_parallel_backend(name, factory, make_default=make_default)
 
 
 def shutdown(wait: bool = True) -> None:
@@ -111,10 +122,13 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         self,
         nesting_level: int | None = None,
         inner_max_num_threads: int | None = None,
+        *,
+        pool_backend: str = "process",
         **options: Any,
     ) -> None:
         super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads)
-        self.options = {**_OPTIONS, **_checked(options)}
+        self.pool_backend = pool_backend
+        self.options = {**_OPTIONS, **_checked(options, pool_backend)}
         self.parallel: Any = None
         self._executor: ProcessPoolExecutor | None = None
         self._array_mode: tuple[int | None, str | None] = (None, None)
@@ -168,20 +182,32 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
         for name in _IGNORED:
             options.pop(name, None)
-        settings = {**self.options, **_checked(options)}
+        settings = {**self.options, **_checked(options, self.pool_backend)}
         if mmap_mode not in _MMAP_MODES:
             raise ValueError(f"mmap_mode must be one of {_MMAP_MODES}, got {mmap_mode!r}")
-        self._executor = get_reusable_executor(
-            n_jobs,
-            settings["idle_worker_timeout"],
-            mp_context=settings["start_method"],
-            max_tasks_per_child=settings["max_tasks_per_child"],
-            task_timeout=settings["task_timeout"],
-            retries=settings["retries"],
-            max_memory_per_child=settings["max_memory_per_child"],
-            _break_on_death=False,
-        )
-        self._array_mode = (max_nbytes, mmap_mode)
+        if self.pool_backend == "ray":
+            self._executor = get_reusable_executor(
+                n_jobs,
+                None,
+                task_timeout=settings["task_timeout"],
+                retries=settings["retries"],
+                backend="ray",
+                ray_address=settings["ray_address"],
+                _break_on_death=False,
+            )
+            self._array_mode = (None, None)  # by value: no shared memory across machines
+        else:
+            self._executor = get_reusable_executor(
+                n_jobs,
+                settings["idle_worker_timeout"],
+                mp_context=settings["start_method"],
+                max_tasks_per_child=settings["max_tasks_per_child"],
+                task_timeout=settings["task_timeout"],
+                retries=settings["retries"],
+                max_memory_per_child=settings["max_memory_per_child"],
+                _break_on_death=False,
+            )
+            self._array_mode = (max_nbytes, mmap_mode)
         self._env = self._prepare_worker_env(n_jobs)
         self.parallel = parallel
         return n_jobs
@@ -248,8 +274,8 @@ class ProcspawnBackend(AutoBatchingMixin, ParallelBackendBase):  # type: ignore[
         self.reset_batch_stats()
 
 
-def _checked(options: dict[str, Any]) -> dict[str, Any]:
-    """The backend's options, each known and valid, with their defaults."""
+def _checked(options: dict[str, Any], pool_backend: str = "process") -> dict[str, Any]:
+    """The backend's options, each known, valid and applying to ``pool_backend``."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(
@@ -261,6 +287,14 @@ def _checked(options: dict[str, Any]) -> dict[str, Any]:
     check_max_tasks(settings["max_tasks_per_child"])
     check_seconds("idle_worker_timeout", settings["idle_worker_timeout"])
     start_method_of(settings["start_method"])  # an unknown one is refused now
+    given = {k: v for k, v in options.items() if v != _OPTIONS[k]}
+    check_backend(
+        pool_backend,
+        given.get("ray_address"),
+        start_method=given.get("start_method"),
+        max_tasks_per_child=given.get("max_tasks_per_child"),
+        max_memory_per_child=given.get("max_memory_per_child"),
+    )
     return dict(options)
 
 

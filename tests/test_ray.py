@@ -524,3 +524,29 @@ def test_an_initializer_runs_in_each_ray_worker_and_one_that_raises_breaks_the_p
             ex.submit(_inc, 1).result(timeout=60)
         with pytest.raises(mp.InitializerError):
             ex.submit(_inc, 2)  # broken: refused at once
+
+
+def _negate(x):
+    return -x
+
+
+@pytest.mark.ray_tasks
+def test_joblib_on_ray_through_procspawn_s_backend(cluster_idle_after):
+    joblib = pytest.importorskip("joblib", reason="joblib is not installed")
+    import procspawn.joblib
+
+    procspawn.joblib.register("procspawn_ray_test", backend="ray")
+    try:
+        with joblib.parallel_config(backend="procspawn_ray_test", n_jobs=2):
+            assert joblib.Parallel()(joblib.delayed(_negate)(i) for i in range(20)) == [
+                -i for i in range(20)
+            ]
+            with pytest.raises(ValueError, match="bad item [45]"):
+                joblib.Parallel()(joblib.delayed(_raise_value_error)(i) for i in range(5, 3, -1))
+        with pytest.raises(ValueError, match="start_method do\\(es\\) not apply"):
+            with joblib.parallel_config(backend="procspawn_ray_test", start_method="fork"):
+                pass
+    finally:
+        executor = mp.pool._reusable.current_reusable_executor(break_on_death=False)
+        if executor is not None:
+            executor.shutdown(wait=True)

@@ -14,10 +14,11 @@ that states them):
        _imap: imap's iterators and the thread that feeds their input
     3  _dispatcher: the one thread that hands out tasks, reads results, watches and
        replaces workers;  _ray_dispatcher: its interface on Ray tasks (backend="ray")
-    2  _tasks: Task, and Job, what the front ends implement (and Dispatching, what
-       they call);  _workers: the parent's side of one worker (start, send, retire,
-       stop, kill, close)
-    1  _worker: the loop a worker runs;  _failures: how failures are worded, option
+    2  _tasks: Task, and Job, what the front ends implement;  _dispatching:
+       DispatcherBase, what they call;  _workers: the parent's side of one worker
+       (start, send, retire, stop, kill, close)
+    1  _exit: what the pools do as the program ends;
+       _worker: the loop a worker runs;  _failures: how failures are worded, option
        checks;  _prefetch: functions' run times (may a busy worker hold the next call);
        _errors: TaskTimeoutError;  _broken: TerminatedWorkerError,
        InitializerError (BrokenProcessPool subclasses, imported by a pool's thread after

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import copy
 import errno
 import itertools
 import os
@@ -54,6 +53,8 @@ from ..context.launch._child import (
 from ..sharing._errors import FdLimitError
 from ..sharing.channels._startup import StartupMessage
 from ..sharing.wire import _main_names, _pickler
+from . import _exit
+from ._dispatching import CLOSING, DONE, RUNNING, STOPPING, DispatcherBase
 from ._errors import TaskTimeoutError
 from ._failures import (
     BROKEN,
@@ -75,8 +76,6 @@ _OUTPUT_DRAIN = 0.5  # seconds to wait for a dead worker's last stderr lines
 _STARTUP_FAILURES = 3  # workers in a row that die before they are ready: the pool is broken
 _STRATEGY = "procspawn.sharing.segments._strategy"
 
-RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
-
 
 def _sharing_snapshot() -> dict[str, Any] | None:
     """The sharing settings a worker takes from this process (``_strategy.snapshot``), or
@@ -86,7 +85,7 @@ def _sharing_snapshot() -> dict[str, Any] | None:
     return None if strategy is None else strategy.snapshot()
 
 
-class Dispatcher:
+class Dispatcher(DispatcherBase):
     """A set of worker processes and the thread that hands them tasks and watches them.
 
     Args:
@@ -133,6 +132,7 @@ class Dispatcher:
     ) -> None:
         api = {"pool": "Pool", "executor": "ProcessPoolExecutor"}.get(name, name)
         check_can_start_children(f"procspawn.{api}")
+        super().__init__()
         self.size = processes
         self.task_timeout = task_timeout
         self.retries = retries
@@ -144,11 +144,7 @@ class Dispatcher:
         self.executor_rules = executor_rules
         self.idle_timeout = idle_timeout
         self.name = name
-        self.state = RUNNING
         self._terminated = False
-        self.broken: BaseException | None = None
-        self._owner = os.getpid()
-        self._lock = threading.Lock()
         self._pending: collections.deque[Task] = collections.deque()
         self._run_times = RunTimes()  # how long each function's calls run: _may_prefetch
         self._in_hand: Task | None = None  # a task taken off a worker, not settled yet
@@ -162,12 +158,7 @@ class Dispatcher:
         self._broken_ahead = break_on_death and BROKEN not in sys.modules
         self._answers = 0
         self._quiet_since = time.monotonic()
-        self._submitting = 0  # jobs that will submit more tasks
         self._demand = 0  # lazy: how many workers the work so far asked for
-        # run by the dispatcher thread; a deque, appended to without a lock, so that a
-        # finalizer (an iterator or pool collected by the garbage collector, which may run
-        # in any thread, inside any of our locked sections) can hand over work
-        self._requests: collections.deque[Callable[[], None]] = collections.deque()
         self._output = OutputForwarder()
         try:
             self._watcher = Watcher()
@@ -193,7 +184,6 @@ class Dispatcher:
             if initializer is not None
             else StartupMessage(message, deferred, value=payload)
         )
-        self._thread: threading.Thread | None = None
         self._grace = default_grace_period()
         try:
             # no output thread until a worker writes something (the watcher sees it on
@@ -219,7 +209,7 @@ class Dispatcher:
         else:
             self._output.release()
         self._thread = threading.Thread(
-            target=self._run, name=f"procspawn-{name}-dispatcher", daemon=True
+            target=self._serve, name=f"procspawn-{name}-dispatcher", daemon=True
         )
         self._thread.start()
         _live.add(self)
@@ -237,36 +227,6 @@ class Dispatcher:
             # lazy: the workers this work asks for, even if its tasks end before any
             # worker took them (as the stdlib's executor starts one per submit)
             self._demand = min(self.size, max(self._demand, len(self._pending)))
-        self._watcher.wake()
-
-    def submitting(self, change: int) -> None:
-        """A job that will submit more tasks (an imap reading its input) starts (+1) or
-        ends (-1): a closed pool waits for it before its workers exit."""
-        with self._lock:
-            self._submitting += change
-        self._watcher.wake()
-
-    def _check_open(self, at_most: str = RUNNING) -> None:
-        if self.broken is not None:
-            raise self.broken_error()
-        if self.state not in (RUNNING, at_most):
-            raise ValueError("Pool not running")
-
-    def broken_error(self) -> BaseException:
-        """A fresh copy of the error that broke the pool, to raise (raising one object
-        again and again would chain its tracebacks)."""
-        broken = self.broken
-        assert broken is not None
-        error = copy.copy(broken)
-        error.__cause__ = broken.__cause__
-        return error
-
-    def request(self, action: Callable[[], None]) -> None:
-        """Run ``action`` in the dispatcher thread, soon. Safe from a finalizer (a
-        ``__del__`` or weakref callback, which the garbage collector may run in any thread,
-        inside any of our locked sections): a deque append is atomic, and the watcher's
-        ``wake()`` takes only its own re-entrant lock."""
-        self._requests.append(action)
         self._watcher.wake()
 
     def abandon(self, job: Job, kill_running: bool = True) -> None:
@@ -325,13 +285,6 @@ class Dispatcher:
 
         self.request(act)
 
-    def close(self) -> None:
-        """Take no more work; the workers exit once every task is done."""
-        with self._lock:
-            if self.state == RUNNING:
-                self.state = CLOSING
-        self._watcher.wake()
-
     def terminate(
         self,
         grace_period: float | None = None,
@@ -379,14 +332,6 @@ class Dispatcher:
         for worker in list(self._workers.values()):
             send_signal(worker.proc, signal.SIGKILL)
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the dispatcher to finish (after close or terminate)."""
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(timeout)
-        return not thread.is_alive()
-
     def sync(self, timeout: float = 10.0) -> None:
         """Wait until the dispatcher thread has started the workers its work needs (an
         executor starts them in that thread, after ``submit`` returned)."""
@@ -404,91 +349,58 @@ class Dispatcher:
     def workers(self) -> list[BaseProcess]:
         return [w.proc for w in list(self._workers.values())]
 
-    def alive(self) -> bool:
-        return self.state in (RUNNING, CLOSING) and self.broken is None
-
-    def check_owner(self) -> None:
-        """Raise in a process forked from the pool's owner: its workers and the thread that
-        serves them are the owner's, so a call made here would wait forever."""
-        if os.getpid() != self._owner:
-            raise RuntimeError(
-                f"this pool belongs to process {self._owner}; process {os.getpid()}, forked "
-                "from it, cannot use it (its workers and the thread that serves them stayed "
-                "with the parent, so the call would never be answered). Make a pool in this "
-                "process."
-            )
-
-    def check_not_serving(self) -> None:
-        """Raise in the thread that serves the pool, where its callbacks run: a wait there
-        for the pool's work would never end (nothing else hands out or reads its tasks)."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(
-                "a callback of this pool (a callback= or error_callback=, or a future's "
-                "done-callback) cannot wait for the pool's work: it runs in the thread that "
-                "serves the pool, so the wait would never end. Hand the work to another "
-                "thread instead (say, put it in a queue.Queue that the main thread reads)."
-            )
+    def _wake(self) -> None:
+        self._watcher.wake()
 
     # -- the dispatcher thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                self._take_requests()
-                if self.state == STOPPING:
-                    self._finish_stopping()
+        while True:
+            self._take_requests()
+            if self.state == STOPPING:
+                self._finish_stopping()
+                return
+            if self.broken is not None:
+                return
+            if self.state == CLOSING and self._all_done():
+                for worker in list(self._workers.values()):
+                    if not worker.stopping:
+                        worker.retire("the pool was closed")
+                if not self._workers:
+                    self.state = DONE
                     return
-                if self.broken is not None:
-                    return
+            else:
+                self._hand_out()
                 if self.state == CLOSING and self._all_done():
-                    for worker in list(self._workers.values()):
-                        if not worker.stopping:
-                            worker.retire("the pool was closed")
-                    if not self._workers:
-                        self.state = DONE
-                        return
-                else:
-                    self._hand_out()
-                    if self.state == CLOSING and self._all_done():
-                        # the hand-out dropped the last tasks (cancelled, or unpicklable)
-                        # and nothing else will wake the wait: retire the workers now
-                        continue
-                for key, readable, writable in self._watcher.wait(self._timeout()):
-                    self._quiet_since = time.monotonic()
-                    source, worker = key
-                    if source == "output":
-                        # a worker wrote: the output thread takes over (pipes that only
-                        # reached their end, workers that exited quietly, close here)
-                        if self._output.settle_held():
-                            self._watcher.remove(self._output.fileno())
-                            self._output.release()
-                        continue
-                    if worker.slot not in self._workers:
-                        continue
-                    if self.state == STOPPING:
-                        break  # terminate(): the stopping takes care of every worker
-                    if source == "exit":
-                        self._on_exit(worker)
-                        continue
-                    if writable:
-                        worker.flush()
-                    if readable:
-                        self._read(worker)
-                        # the end of its channel comes with its death: no second round
-                        if worker.slot in self._workers and worker.reader.eof:
-                            if worker.has_exited():
-                                self._on_exit(worker)
-                self._on_timers()
-        except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
-            _log.exception("procspawn: a pool dispatcher thread failed")
-            self._break(RuntimeError(f"the pool's dispatcher thread failed: {exc!r}"))
-        finally:
-            self._release()
-
-    def _take_requests(self) -> None:
-        requests = self._requests
-        while requests:
-            requests.popleft()()
+                    # the hand-out dropped the last tasks (cancelled, or unpicklable)
+                    # and nothing else will wake the wait: retire the workers now
+                    continue
+            for key, readable, writable in self._watcher.wait(self._timeout()):
+                self._quiet_since = time.monotonic()
+                source, worker = key
+                if source == "output":
+                    # a worker wrote: the output thread takes over (pipes that only
+                    # reached their end, workers that exited quietly, close here)
+                    if self._output.settle_held():
+                        self._watcher.remove(self._output.fileno())
+                        self._output.release()
+                    continue
+                if worker.slot not in self._workers:
+                    continue
+                if self.state == STOPPING:
+                    break  # terminate(): the stopping takes care of every worker
+                if source == "exit":
+                    self._on_exit(worker)
+                    continue
+                if writable:
+                    worker.flush()
+                if readable:
+                    self._read(worker)
+                    # the end of its channel comes with its death: no second round
+                    if worker.slot in self._workers and worker.reader.eof:
+                        if worker.has_exited():
+                            self._on_exit(worker)
+            self._on_timers()
 
     def _timeout(self) -> float | None:
         now = time.monotonic()
@@ -1107,26 +1019,7 @@ _live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
 
 
 def _at_exit() -> None:
-    """Stop what is still running as the program ends: the work of an executor is waited
-    for (as the stdlib's), unless the program ends on Ctrl-C; a Pool's is not. A Ctrl-C
-    during that wait stops the workers: one line says so, not a traceback of this
-    function (the stdlib's executor hangs there)."""
-    interrupted = ctrl_c(getattr(sys, "last_value", None))
-    dispatchers = [d for d in list(_live) if d._owner == os.getpid()]
-    try:
-        for dispatcher in dispatchers:
-            if dispatcher.executor_rules and not interrupted and dispatcher.alive():
-                dispatcher.close()
-                dispatcher.join()
-            else:
-                dispatcher.terminate(ctrl_c_raises=False)
-    except KeyboardInterrupt:
-        sys.stderr.write(
-            "KeyboardInterrupt: the program stopped waiting, as it ended, for the work of "
-            "a ProcessPoolExecutor; its workers were stopped\n"
-        )
-        for dispatcher in dispatchers:
-            dispatcher.terminate(ctrl_c_raises=False)
+    _exit.finish(list(_live), "its workers were stopped")
 
 
 # Registered after multiprocessing's own exit function (imported above for that), so it

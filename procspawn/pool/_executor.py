@@ -36,7 +36,7 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool'
 if TYPE_CHECKING:
     from typing import Any, ParamSpec, TypeVar
 
-    from ._tasks import Dispatching
+    from ._dispatching import DispatcherBase
 else:
     from .._generic import TypeVar
 
@@ -55,7 +55,7 @@ class Future(_cf.Future[_T]):
     """
 
     _procspawn_kill: Callable[[], None] | None = None
-    _procspawn_dispatcher: Dispatching | None = None
+    _procspawn_dispatcher: DispatcherBase | None = None
 
     @ctrl_c_in_caller
     def result(self, timeout: float | None = None) -> _T:
@@ -151,7 +151,7 @@ class _ChunksJob(Job):
         _set(future, ok, value)
 
 
-def _kill(dispatcher: Dispatching, job_ref: weakref.ref[Job]) -> None:
+def _kill(dispatcher: DispatcherBase, job_ref: weakref.ref[Job]) -> None:
     """``Future.kill()`` of a call not done (its job is alive while its task is)."""
     job = job_ref()
     if job is not None:
@@ -293,7 +293,7 @@ class ProcessPoolExecutor(_cf.Executor):
         if backend == "ray":
             from ._ray_dispatcher import RayDispatcher
 
-            self._dispatcher: Dispatching = RayDispatcher(
+            self._dispatcher: DispatcherBase = RayDispatcher(
                 max_workers,
                 initializer=initializer,
                 initargs=initargs,
@@ -576,7 +576,7 @@ def _results(
     end_time: float | None,
     progress: Progress | None = None,
     stop: Callable[[], None] | None = None,
-    dispatcher: Dispatching | None = None,
+    dispatcher: DispatcherBase | None = None,
     more: Callable[[], list[_cf.Future[Any]]] | None = None,
 ) -> Iterator[_T]:
     """map's values in order; nothing of a value is held once it was yielded. Ctrl-C

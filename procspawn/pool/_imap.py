@@ -24,7 +24,7 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool'
 if TYPE_CHECKING:
     from typing import Any, Generic, TypeVar
 
-    from ._tasks import Dispatching
+    from ._dispatching import DispatcherBase
 else:
     from .._generic import Generic, TypeVar
 
@@ -56,7 +56,7 @@ class IMapIterator(Generic[_T]):
         dispatcher: the pool's dispatcher.
     """
 
-    def __init__(self, dispatcher: Dispatching) -> None:
+    def __init__(self, dispatcher: DispatcherBase) -> None:
         self._dispatcher = dispatcher
         self._pool: object = None  # the Pool that made it (see ApplyResult)
         self._pool_joining: Callable[[], bool] = bool  # whether it waits in join()
@@ -252,7 +252,7 @@ class IMapUnorderedIterator(IMapIterator[_T]):
         dispatcher: the pool's dispatcher.
     """
 
-    def __init__(self, dispatcher: Dispatching) -> None:
+    def __init__(self, dispatcher: DispatcherBase) -> None:
         super().__init__(dispatcher)
         self._arrived: collections.deque[tuple[bool, Any]] = collections.deque()
 
@@ -308,7 +308,7 @@ def _results_room(chunksize: int, ahead: int) -> int:
 
 
 def _feed(
-    dispatcher: Dispatching,
+    dispatcher: DispatcherBase,
     job: _IMapJob,
     source: Iterator[Any],
     chunksize: int,
@@ -376,7 +376,7 @@ def _wants_input(iterator: weakref.ref[IMapIterator[Any]]) -> bool:
 
 
 def _submit(
-    dispatcher: Dispatching,
+    dispatcher: DispatcherBase,
     iterator: weakref.ref[IMapIterator[Any]],
     tasks: list[Task],
     sent: int,

@@ -44,7 +44,7 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool'
 if TYPE_CHECKING:
     from typing import Any, NoReturn, TypeVar
 
-    from ._tasks import Dispatching
+    from ._dispatching import DispatcherBase
 else:
     from .._generic import TypeVar
 
@@ -153,7 +153,7 @@ class Pool:
             max_memory_per_child=max_memory_per_child,
         )
         self._processes = processes
-        self._dispatcher: Dispatching
+        self._dispatcher: DispatcherBase
         if backend == "ray":
             from ._ray_dispatcher import RayDispatcher
 

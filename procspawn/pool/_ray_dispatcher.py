@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import atexit
 import collections
-import copy
 import functools
 import itertools
-import os
 import pickle
 import sys
 import threading
@@ -43,11 +41,12 @@ from collections.abc import Callable, Iterable
 
 import cloudpickle
 
-from .. import _log, _settings
+from .. import _settings
 from ..context import _raised, _tags
-from ..context._errors import ProcessExitedException, RayResourcesError, ctrl_c
+from ..context._errors import ProcessExitedException, RayResourcesError
 from ..context._ray import connect, disconnect, import_ray, refuse_shared_arrays
-from . import _worker
+from . import _exit, _worker
+from ._dispatching import CLOSING, DONE, RUNNING, STOPPING, DispatcherBase
 from ._errors import TaskTimeoutError
 from ._failures import broken_errors, remote_error
 from ._tasks import Job, Task, settle
@@ -56,7 +55,6 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool'
 if TYPE_CHECKING:
     from typing import Any
 
-RUNNING, CLOSING, STOPPING, DONE = "running", "closing", "stopping", "done"
 STORED_BYTES = 1 << 20  # an argument array this big goes to the object store once
 # tasks in flight per CPU of the pool's placement group: the group runs one per CPU, the
 # others wait queued in Ray, which then starts each the moment a CPU is free (the Ray
@@ -204,7 +202,7 @@ class _InFlight:
         self.killed = False  # cancelled by us (a timeout, a kill): its outcome is settled
 
 
-class RayDispatcher:
+class RayDispatcher(DispatcherBase):
     """The ``Dispatcher``'s interface, run on Ray tasks (see the module's docstring).
 
     Args:
@@ -236,6 +234,7 @@ class RayDispatcher:
         ray_address: str | None = None,
         name: str = "pool",
     ) -> None:
+        super().__init__()
         # what was put in the object store: functions (the last used, weakly), read-only
         # arrays (while they live), by id
         self._functions: collections.OrderedDict[int, tuple[weakref.ref[Any], Any]] = (
@@ -271,22 +270,16 @@ class RayDispatcher:
         self.task_timeout = task_timeout
         self.retries = retries
         self.name = name
-        self.state = RUNNING
-        self.broken: BaseException | None = None
-        self._owner = os.getpid()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._news = threading.Event()  # set by _wake
         self._pending: collections.deque[Task] = collections.deque()
         self._in_flight: dict[Any, _InFlight] = {}
-        self._requests: collections.deque[Callable[[], None]] = collections.deque()
         self._done: collections.deque[tuple[Any, Any]] = collections.deque()  # (ref, future)
-        self._submitting = 0
         self._pool_id = uuid.uuid4().hex
         self._path = list(sys.path)
         self._stop_error: BaseException | None = None
         self._terminated = False
         self._thread = threading.Thread(
-            target=self._run, name=f"procspawn-{name}-ray-dispatcher", daemon=True
+            target=self._serve, name=f"procspawn-{name}-ray-dispatcher", daemon=True
         )
         self._thread.start()
         _at_exit_registered()
@@ -303,25 +296,7 @@ class RayDispatcher:
             if self.state not in (RUNNING, CLOSING if accepted else RUNNING):
                 raise ValueError("Pool not running")
             self._pending.extend(tasks)
-        self._wake.set()
-
-    def submitting(self, change: int) -> None:
-        with self._lock:
-            self._submitting += change
-        self._wake.set()
-
-    def broken_error(self) -> BaseException:
-        """A fresh copy of the error that broke the pool (one object raised again and
-        again would chain its tracebacks)."""
-        broken = self.broken
-        assert broken is not None
-        error = copy.copy(broken)
-        error.__cause__ = broken.__cause__
-        return error
-
-    def request(self, action: Callable[[], None]) -> None:
-        self._requests.append(action)
-        self._wake.set()
+        self._wake()
 
     def abandon(self, job: Job, kill_running: bool = True) -> None:
         job.abandoned = True
@@ -350,18 +325,12 @@ class RayDispatcher:
             self._pending.clear()
         for task in dropped:
             task.job.cancel(task)
-        self._wake.set()
+        self._wake()
 
     def resize(self, processes: int) -> None:
         raise RuntimeError(
             "a pool on Ray keeps the CPUs it reserved: make a new one for another size"
         )
-
-    def close(self) -> None:
-        with self._lock:
-            if self.state == RUNNING:
-                self.state = CLOSING
-        self._wake.set()
 
     def terminate(
         self,
@@ -377,15 +346,9 @@ class RayDispatcher:
                 self.state = STOPPING
                 self._terminated = True
                 self._stop_error = error
-        self._wake.set()
+        self._wake()
         if wait:
             self.join()
-
-    def join(self, timeout: float | None = None) -> bool:
-        if threading.current_thread() is self._thread:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
     def sync(self, timeout: float = 10.0) -> None:
         pass  # nothing starts ahead of the work on Ray
@@ -393,59 +356,37 @@ class RayDispatcher:
     def workers(self) -> list[Any]:
         return []  # Ray's worker processes are not this pool's
 
-    def alive(self) -> bool:
-        return self.state in (RUNNING, CLOSING) and self.broken is None
-
-    def check_owner(self) -> None:
-        if os.getpid() != self._owner:
-            raise RuntimeError(
-                f"this pool belongs to process {self._owner}; process {os.getpid()}, forked "
-                "from it, cannot use it. Make a pool in this process."
-            )
-
-    def check_not_serving(self) -> None:
-        if threading.current_thread() is self._thread:
-            raise RuntimeError(
-                "a callback of this pool cannot wait for the pool's work: it runs in the "
-                "thread that serves the pool, so the wait would never end. Hand the work "
-                "to another thread instead."
-            )
-
     def terminated_error(self) -> BaseException | None:
         if self.state == DONE and self._terminated:
             return self._stopped_error()
         return None
 
+    def _wake(self) -> None:
+        self._news.set()
+
     # -- the dispatcher thread --------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            while True:
-                self._wake.clear()
-                while self._done:  # first: a kill or a stop after a result does not undo it
-                    self._finished(*self._done.popleft())
-                while self._requests:
-                    self._requests.popleft()()
-                if self.state == STOPPING:
-                    self._stop()
-                    return
-                if self.broken is not None:
-                    return
-                self._hand_out()
-                self._start_clocks()
-                if self.state == CLOSING and self._all_done():
-                    self.state = DONE
-                    return
-                if not self._done:
-                    self._wake.wait(self._timeout())
-                while self._done:
-                    self._finished(*self._done.popleft())
-                self._on_timers()
-        except BaseException as exc:  # a bug of ours: fail what waits rather than hang it
-            _log.exception("procspawn: a Ray pool dispatcher thread failed")
-            self._break(RuntimeError(f"the pool's dispatcher thread failed: {exc!r}"))
-        finally:
-            self._release()
+        while True:
+            self._news.clear()
+            while self._done:  # first: a kill or a stop after a result does not undo it
+                self._finished(*self._done.popleft())
+            self._take_requests()
+            if self.state == STOPPING:
+                self._stop()
+                return
+            if self.broken is not None:
+                return
+            self._hand_out()
+            self._start_clocks()
+            if self.state == CLOSING and self._all_done():
+                self.state = DONE
+                return
+            if not self._done:
+                self._news.wait(self._timeout())
+            while self._done:
+                self._finished(*self._done.popleft())
+            self._on_timers()
 
     def _timeout(self) -> float | None:
         deadlines = [f.deadline for f in self._in_flight.values() if f.deadline is not None]
@@ -499,7 +440,7 @@ class RayDispatcher:
     def _on_done(self, ref: Any, future: Any) -> None:
         """(Ray's thread) a task in flight finished: the dispatcher thread settles it."""
         self._done.append((ref, future))
-        self._wake.set()
+        self._wake()
 
     def _payload(self, task: Task) -> tuple[Any, list[Any]]:
         """The task's arguments, each large array as a ``_Stored`` index into the refs
@@ -729,24 +670,7 @@ def _at_exit_registered() -> None:
 
 
 def _at_exit() -> None:
-    """As the program ends: an executor's calls are waited for (as the stdlib's), unless
-    it ends on Ctrl-C; a Pool's are cancelled."""
-    interrupted = ctrl_c(getattr(sys, "last_value", None))
-    pools = [d for d in list(_live) if d._owner == os.getpid()]
-    try:
-        for pool in pools:
-            if pool.executor_rules and not interrupted and pool.alive():
-                pool.close()
-                pool.join()
-            else:
-                pool.terminate(ctrl_c_raises=False)
-    except KeyboardInterrupt:
-        sys.stderr.write(
-            "KeyboardInterrupt: the program stopped waiting, as it ended, for the work of "
-            "a ProcessPoolExecutor on Ray; its calls were cancelled\n"
-        )
-        for pool in pools:
-            pool.terminate(ctrl_c_raises=False)
+    _exit.finish(list(_live), "its calls on Ray were cancelled")
 
 
 __all__ = ["RayDispatcher", "run_task"]

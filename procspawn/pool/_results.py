@@ -16,7 +16,7 @@ TYPE_CHECKING = False  # as typing's, without importing typing (~3 ms of a pool'
 if TYPE_CHECKING:
     from typing import Any, Generic, TypeVar
 
-    from ._tasks import Dispatching
+    from ._dispatching import DispatcherBase
 else:
     from .._generic import Generic, TypeVar
 
@@ -38,7 +38,7 @@ class ApplyResult(Generic[_T]):
 
     def __init__(
         self,
-        dispatcher: Dispatching,
+        dispatcher: DispatcherBase,
         callback: Callable[[_T], object] | None,
         error_callback: Callable[[BaseException], object] | None,
     ) -> None:
@@ -196,7 +196,7 @@ class MapResult(_CallResult[list[_T]]):
 
     def __init__(
         self,
-        dispatcher: Dispatching,
+        dispatcher: DispatcherBase,
         length: int,
         callback: Callable[[list[_T]], object] | None,
         error_callback: Callable[[BaseException], object] | None,

@@ -370,12 +370,18 @@ def test_a_task_that_exits_is_an_exited_error_and_the_executor_goes_on(cluster_i
 
 @pytest.mark.ray_tasks
 def test_task_timeout_and_kill_stop_a_running_task_on_ray(cluster_idle_after):
-    with mp.ProcessPoolExecutor(2, backend="ray", task_timeout=1.0) as ex:
+    with mp.ProcessPoolExecutor(2, backend="ray", task_timeout=2.0) as ex:
         started = time.monotonic()
-        with pytest.raises(mp.TaskTimeoutError, match="task_timeout of 1 s"):
+        with pytest.raises(mp.TaskTimeoutError, match="task_timeout of 2 s"):
             ex.submit(_sleep_then, 60).result(timeout=60)
         assert time.monotonic() - started < 30
-        assert ex.submit(_inc, 7).result(timeout=60) == 8
+    # a call's own timeout; the pool goes on (its next call has none: a call's clock counts
+    # from its turn, so Ray's start of a new worker for it, seconds on a busy machine,
+    # would be in it)
+    with mp.Pool(2, backend="ray") as pool:
+        with pytest.raises(mp.TaskTimeoutError, match="task_timeout of 2 s"):
+            pool.apply_async(_sleep_then, (60,), task_timeout=2.0).get(timeout=60)
+        assert pool.apply(_inc, (7,)) == 8
     with mp.ProcessPoolExecutor(2, backend="ray") as ex:
         future = ex.submit(_sleep_then, 60)
         time.sleep(0.5)
@@ -448,11 +454,13 @@ def _span(seconds):
 def test_at_most_max_workers_run_at_once_and_a_queued_call_s_timeout_waits_its_turn(
     cluster_idle_after,
 ):
-    # one CPU for the executor, three calls of 0.6 s each, a task_timeout of 1 s: they run
-    # one after another, and the last, queued 1.2 s, is not late
-    with mp.ProcessPoolExecutor(1, backend="ray", task_timeout=1.0) as ex:
-        spans = sorted(f.result(timeout=60) for f in [ex.submit(_span, 0.6) for _ in range(3)])
-    assert all(spans[i][1] <= spans[i + 1][0] + 0.01 for i in range(2)), spans
+    # one CPU for the executor, its Ray worker started (a first call), then four calls of
+    # 1 s each, a task_timeout of 2.5 s: they run one after another, and the last, queued
+    # 3 s, is not late
+    with mp.ProcessPoolExecutor(1, backend="ray", task_timeout=2.5) as ex:
+        assert ex.submit(_inc, 0).result(timeout=60) == 1
+        spans = sorted(f.result(timeout=60) for f in [ex.submit(_span, 1.0) for _ in range(4)])
+    assert all(spans[i][1] <= spans[i + 1][0] + 0.01 for i in range(3)), spans
 
 
 @pytest.mark.ray_tasks

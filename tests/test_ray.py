@@ -454,12 +454,13 @@ def _span(seconds):
 def test_at_most_max_workers_run_at_once_and_a_queued_call_s_timeout_waits_its_turn(
     cluster_idle_after,
 ):
-    # one CPU for the executor, its Ray worker started (a first call), then four calls of
-    # 1 s each, a task_timeout of 2.5 s: they run one after another, and the last, queued
-    # 3 s, is not late
-    with mp.ProcessPoolExecutor(1, backend="ray", task_timeout=2.5) as ex:
-        assert ex.submit(_inc, 0).result(timeout=60) == 1
-        spans = sorted(f.result(timeout=60) for f in [ex.submit(_span, 1.0) for _ in range(4)])
+    # one CPU for the pool, its Ray worker started (a first call, with no timeout: the
+    # worker's start is in a call's clock), then four calls of 1 s each with a task_timeout
+    # of 2.5 s: they run one after another, and the last, queued 3 s, is not late
+    with mp.Pool(1, backend="ray") as pool:
+        assert pool.apply(_inc, (0,)) == 1
+        calls = [pool.apply_async(_span, (1.0,), task_timeout=2.5) for _ in range(4)]
+        spans = sorted(call.get(timeout=60) for call in calls)
     assert all(spans[i][1] <= spans[i + 1][0] + 0.01 for i in range(3)), spans
 
 

@@ -828,9 +828,9 @@ class Dispatcher(DispatcherBase):
         # only the task it took off its channel can have killed it; the others never
         # reached it and run elsewhere
         running = tasks.pop(0) if tasks and worker.running else None
-        if running is not None and worker.started_at is not None:
-            # (killed late: its calls are not short)
-            self._run_times.note(running.job.fn, time.monotonic() - worker.started_at)
+        ran = worker.run_time()
+        if running is not None and ran is not None:
+            self._run_times.note(running.job.fn, ran)  # (killed late: its calls are not short)
         self._forget(worker)  # (reaped first: its Process holds descriptors)
         outcome = self._death_outcome(worker, code, running)
         self._DEATH_ACTS[outcome](self, worker, code, running, tasks)

@@ -26,7 +26,7 @@ def finish(pools: Iterable[DispatcherBase], what: str) -> None:
     """Wait for the executors among ``pools`` (this process' own) and stop the rest;
     ``what``: how the stopped executors' work is put, after a Ctrl-C."""
     interrupted = ctrl_c(getattr(sys, "last_value", None))
-    mine = [p for p in pools if getattr(p, "_owner", None) == os.getpid()]
+    mine = [p for p in pools if p._owner == os.getpid()]
     try:
         for pool in mine:
             if pool.executor_rules and not interrupted and pool.alive():

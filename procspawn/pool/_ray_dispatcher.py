@@ -75,7 +75,7 @@ class _Stored:
         return (_Stored, (self.index,))
 
 
-_initialized: set[str] = set()  # (in a Ray worker) the pools whose initializer ran here
+_ready: set[str] = set()  # (in a Ray worker) the pools it has set up: path, initializer
 # (in a Ray worker) the functions fetched from the object store, by ref, the last used
 _functions_here: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
@@ -114,15 +114,16 @@ def run_task(
     import cloudpickle
     import ray
 
-    sys.path.extend(p for p in path if p not in sys.path)
     try:
-        if init is not None and pool_id not in _initialized:
-            initializer, initargs = pickle.loads(init)
-            try:
-                initializer(*initargs)
-            except BaseException as exc:
-                return (_tags.INIT_FAILED, _raised.pack(exc), _raised.traceback_text(exc))
-            _initialized.add(pool_id)
+        if pool_id not in _ready:  # this Ray worker's first task of the pool
+            sys.path.extend(p for p in path if p not in sys.path)
+            if init is not None:
+                initializer, initargs = pickle.loads(init)
+                try:
+                    initializer(*initargs)
+                except BaseException as exc:
+                    return (_tags.INIT_FAILED, _raised.pack(exc), _raised.traceback_text(exc))
+            _ready.add(pool_id)
         fn_in_payload, data = pickle.loads(payload)
         fn = _function_here(ray, fn_box[0]) if fn_box else fn_in_payload
 

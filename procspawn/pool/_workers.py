@@ -172,8 +172,13 @@ class Worker(WatchedChild):
             not self.tasks or self.tasks[0] is not self.killed_for[0]
         ):
             self.killed_for = None  # the killed task answered first: nothing to blame
-        started, self.started_at = self.started_at, None
-        return None if started is None else time.monotonic() - started
+        ran = self.run_time()
+        self.started_at = None
+        return ran
+
+    def run_time(self) -> float | None:
+        """How long its running task has run, if it was seen to start."""
+        return None if self.started_at is None else time.monotonic() - self.started_at
 
     # -- stopping it ----------------------------------------------------------------------
 
